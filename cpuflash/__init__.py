@@ -1,0 +1,12 @@
+"""cpuflash: exact FlashAttention-2 for CPUs, in Python and Numba.
+
+``cpuflash.attention(q, k, v)`` computes ``softmax(Q K^T / sqrt(D)) V`` in tiles, never forming the
+``Nq x Nk`` score matrix. See the README and ``help(cpuflash.attention)``.
+"""
+
+from .api import attention
+from .tiling import TileConfig, choose_tiles, cpu_info
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "TileConfig", "choose_tiles", "cpu_info", "__version__"]

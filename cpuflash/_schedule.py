@@ -1,0 +1,77 @@
+"""Work items and their distribution over threads (numpy only, no Numba).
+
+A work item is one tile of `block_q` query rows of one (sequence, head). Items differ in cost
+(causal and windowed tiles see different numbers of keys, varlen sequences differ in length), and
+Numba's `prange` hands each thread one contiguous range of iterations, so the kernels loop over
+*chunks* of items prepared here: one chunk per thread, balanced by estimated cost. Which thread
+computes an item never changes how it is computed, so results are bitwise identical for any
+thread count.
+"""
+
+import numpy as np
+
+# Fixed cost of an item (packing, finishing rows), in units of query-key pairs.
+ITEM_OVERHEAD = 4096
+
+
+def sequence_table(n_q, n_k, batch):
+    """The kernel's sequence table for `batch` sequences of the same lengths (no varlen)."""
+    seqs = np.zeros((batch, 6), dtype=np.int64)
+    seqs[:, 0] = seqs[:, 3] = np.arange(batch)
+    seqs[:, 2] = n_q
+    seqs[:, 5] = n_k
+    return seqs
+
+
+def varlen_table(cu_q, cu_k):
+    """The kernel's sequence table for packed sequences given by cumulative lengths."""
+    batch = len(cu_q) - 1
+    seqs = np.zeros((batch, 6), dtype=np.int64)
+    seqs[:, 1] = cu_q[:-1]
+    seqs[:, 2] = np.diff(cu_q)
+    seqs[:, 4] = cu_k[:-1]
+    seqs[:, 5] = np.diff(cu_k)
+    return seqs
+
+
+def work_items(seqs, n_heads, block_q, window):
+    """All (sequence, head, first row) items and the number of query-key pairs each may see."""
+    n_q, n_k = seqs[:, 2], seqs[:, 5]
+    blocks = -(-n_q // block_q)
+    seq = np.repeat(np.arange(len(seqs)), blocks)
+    first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    q0 = first * block_q
+    rows = np.minimum(block_q, n_q[seq] - q0)
+    # the same key range the kernel computes for the tile
+    left, right = window
+    diag0 = q0 + n_k[seq] - n_q[seq]
+    k_lo = np.maximum(0, diag0 - left) if left >= 0 else np.zeros_like(q0)
+    k_hi = np.minimum(n_k[seq], diag0 + rows + right) if right >= 0 else n_k[seq]
+    pairs = rows * np.maximum(0, k_hi - k_lo)
+
+    items = np.empty((len(seq) * n_heads, 3), dtype=np.int64)
+    items[:, 0] = np.repeat(seq, n_heads)
+    items[:, 1] = np.tile(np.arange(n_heads), len(seq))
+    items[:, 2] = np.repeat(q0, n_heads)
+    return items, np.repeat(pairs, n_heads) + ITEM_OVERHEAD
+
+
+def balance(items, cost, n_threads):
+    """Reorder `items` into `n_threads` chunks of similar total cost.
+
+    Returns ``(items, chunk_ptr)``: chunk `c` is ``items[chunk_ptr[c]:chunk_ptr[c+1]]``. Items are
+    dealt heaviest first in a snake order (0, 1, .., n-1, n-1, .., 1, 0, 0, 1, ..), so each round
+    of dealing gives back to the chunks that the previous round served last.
+    """
+    n_chunks = max(1, min(n_threads, len(items)))
+    if n_chunks == 1:
+        return items, np.array([0, len(items)], dtype=np.int64)
+    order = np.argsort(-cost, kind="stable")
+    rank = np.arange(len(items))
+    seat = rank % n_chunks
+    owner = np.empty(len(items), dtype=np.int64)
+    owner[order] = np.where((rank // n_chunks) % 2 == 0, seat, n_chunks - 1 - seat)
+    by_chunk = np.argsort(owner, kind="stable")
+    chunk_ptr = np.zeros(n_chunks + 1, dtype=np.int64)
+    chunk_ptr[1:] = np.cumsum(np.bincount(owner, minlength=n_chunks))
+    return np.ascontiguousarray(items[by_chunk]), chunk_ptr

@@ -1,0 +1,1 @@
+"""Numba kernels; private. Each module is one kernel family."""

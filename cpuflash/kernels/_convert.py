@@ -1,0 +1,103 @@
+"""Reading and writing elements of any input dtype as the compute dtype, inside kernels.
+
+float16 and bfloat16 arrays reach the kernels as their uint16 bits (Numba has no bfloat16), and
+are widened to float32 one element at a time while a tile is packed, so no full-size float32 copy
+of q, k or v is ever made. `widen` and `narrow` are generic over the array dtype: for float32 and
+float64 arrays they are plain casts and compile to nothing.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core.errors import TypingError
+from numba.extending import intrinsic, overload
+
+FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """Reinterpret uint32 bits as a float32."""
+    if bits != types.uint32:
+        raise TypingError("expected uint32")
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_bits(typingctx, x):
+    """Reinterpret a float32 as its uint32 bits."""
+    if x != types.float32:
+        raise TypingError("expected float32")
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """IEEE binary16 bits (uint16) to float32, exactly (LLVM's fpext from half)."""
+    if bits != types.uint16:
+        raise TypingError("expected uint16")
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_half_bits(typingctx, x):
+    """float32 to IEEE binary16 bits, rounded to nearest even (LLVM's fptrunc to half)."""
+    if x != types.float32:
+        raise TypingError("expected float32")
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+def widen(x, kind):
+    """Element `x` of an input array as the compute dtype (float32 for uint16 half bits)."""
+
+
+def narrow(value, like, kind):
+    """`value` (compute dtype) as an element of an array of dtype `like` (``arr.dtype``),
+    rounded to nearest even."""
+
+
+@overload(widen, jit_options={"cache": True})
+def _widen(x, kind):
+    if isinstance(x, types.Float):
+        return lambda x, kind: x
+    if x == types.uint16:
+        def impl(x, kind):
+            if kind == BFLOAT16:
+                return _bits_to_f32(np.uint32(x) << np.uint32(16))
+            return _half_bits_to_f32(x)
+        return impl
+
+
+@overload(narrow, jit_options={"cache": True})
+def _narrow(value, like, kind):
+    if isinstance(like, types.DType):
+        like = like.dtype
+    if isinstance(like, types.Float):
+        return lambda value, like, kind: value
+    if like == types.uint16:
+        def impl(value, like, kind):
+            x = np.float32(value)
+            if kind != BFLOAT16:
+                return _f32_to_half_bits(x)
+            bits = _f32_to_bits(x)
+            if x != x:  # NaN: keep it a (quiet) NaN rather than rounding into infinity
+                return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+            rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+            return np.uint16((bits + rounding) >> np.uint32(16))
+        return impl

@@ -1,0 +1,125 @@
+"""The FlashAttention-2 forward kernel.
+
+One work item is one tile of `block_q` query rows of one (sequence, head). Items are spread
+over the threads by `prange`, and each item runs the whole key loop on its own: its running row
+max, running row sum and unnormalized accumulator live in buffers of the thread that owns it, and
+its output rows are written once, after the last key block (FA-2's Q-outer loop and lazy
+rescaling). The tile steps are small functions in `_steps` so the loop below reads like the
+algorithm.
+
+Scores are kept in base 2: `scale * log2(e)` is folded into the packed queries, so the softmax
+is `exp2(s - max)`, and the log-sum-exp is converted back to natural log at the end.
+
+Sequences are described by a table so that batched input and packed (varlen) input share this
+kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and sequence
+``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and ``k[batch_k, :, k_start:k_start+n_k]``.
+"""
+
+import numpy as np
+from numba import prange
+
+from .._jit import Kernel, array
+from numba import types
+from . import _steps
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk_scale,
+                 softcap, left, right, half, alibi, bias, bias_map, mask, mask_map, sinks):
+    d = q.shape[3]
+    dv = v.shape[3]
+    group = q.shape[1] // k.shape[1]
+    cdtype = lse.dtype
+    panels = (block_k + _steps.PANEL - 1) // _steps.PANEL
+    has_alibi = alibi.shape[1] > 0
+    has_bias = bias.shape[0] > 0
+    has_mask = mask.shape[0] > 0
+    has_sinks = sinks.shape[0] > 0
+    # Scores enter the softmax as log2(e) * s; with a softcap, tanh needs s / softcap first.
+    q_mult = qk_scale / softcap if softcap > 0 else qk_scale * LOG2E
+    cap = softcap * LOG2E
+
+    for chunk in prange(chunk_ptr.shape[0] - 1):
+        # -- thread-local tile state, allocated once per chunk of work items
+        q_tile = np.empty((block_q, d), dtype=cdtype)
+        k_panels = np.zeros((panels, d, _steps.PANEL), dtype=cdtype)
+        v_tile = np.zeros((panels * _steps.PANEL, dv), dtype=cdtype)
+        scores = np.empty((block_q, panels * _steps.PANEL), dtype=cdtype)
+        acc = np.empty((block_q, dv), dtype=cdtype)
+        row_max = np.empty(block_q, dtype=cdtype)
+        row_sum = np.empty(block_q, dtype=cdtype)
+        alpha = np.empty(block_q, dtype=cdtype)
+
+        for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
+            seq, h, q0 = items[item, 0], items[item, 1], items[item, 2]
+            bq, q_start, n_q = seqs[seq, 0], seqs[seq, 1], seqs[seq, 2]
+            bk, k_start, n_k = seqs[seq, 3], seqs[seq, 4], seqs[seq, 5]
+            hk = h // group
+            rows = min(block_q, n_q - q0)
+            # bottom-right alignment: query row i sits over key column i + shift
+            shift = n_k - n_q
+            diag0 = q0 + shift  # key column under the tile's first row
+
+            # -- the keys any row of this tile can see; blocks outside are never visited
+            k_lo = max(0, diag0 - left) if left >= 0 else 0
+            k_hi = min(n_k, diag0 + rows + right) if right >= 0 else n_k
+
+            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, q_mult, half)
+            row_max[:rows] = -np.inf
+            row_sum[:rows] = 0.0
+            acc[:rows, :] = 0.0
+            slope = alibi[bq, h] * LOG2E if has_alibi else 0.0
+
+            for kb in range(k_lo, k_hi, block_k):
+                cols = min(block_k, k_hi - kb)
+                _steps.pack_key_panels(k, bk, hk, k_start + kb, cols, k_panels, half)
+                _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, 1.0, half)
+
+                # -- S = Q K^T (base-2 scores, scale folded into Q)
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
+
+                # -- score modifiers, in the order of the score pipeline
+                if softcap > 0:
+                    _steps.softcap_tile(scores, rows, cols, cap)
+                if has_alibi:
+                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb)
+                if has_bias:
+                    _steps.add_tile(scores, bias, bias_map[bq], h, q0, kb, rows, cols, LOG2E)
+
+                # -- visibility: only blocks that cross a band edge pay for element masks
+                inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
+                          and (right < 0 or kb + cols - 1 <= diag0 + right))
+                if not inside:
+                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right)
+                if has_mask:
+                    _steps.bool_mask_tile(scores, mask, mask_map[bq], h, q0, kb, rows, cols)
+
+                # -- online softmax: new row max, rescale factor alpha, P = exp2(S - max)
+                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
+
+                # -- acc = alpha * acc + P V
+                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+
+            # -- normalize once, write each output row once
+            sink = sinks[h] * LOG2E if has_sinks else -np.inf
+            _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, bq, h,
+                               q_start + q0, LN2, half)
+
+
+def _signature(key):
+    dtype, compute = key
+    data = array(dtype, 4, readonly=True)
+    calc4 = array(compute, 4, readonly=True)
+    index2 = array(np.int64, 2, readonly=True)
+    index1 = array(np.int64, 1, readonly=True)
+    i8, f8 = types.int64, types.float64
+    return types.void(
+        data, data, data, array(dtype, 4), array(compute, 3),
+        index2, index2, index1, i8, i8, f8, f8, i8, i8, i8,
+        array(compute, 2, readonly=True), calc4, index1,
+        array(np.bool_, 4, readonly=True), index1, array(compute, 1, readonly=True))
+
+
+fa2_forward = Kernel(_fa2_forward, _signature)

@@ -1,0 +1,208 @@
+"""Cache sizes in, tile sizes out: the only place cpuflash decides block sizes.
+
+Pure Python (no Numba), so the decision can be read, tested with fake caches and explained.
+Kernels receive `block_q` and `block_k` as arguments and never choose them.
+"""
+
+import dataclasses
+import glob
+import os
+
+import numpy as np
+
+__all__ = ["TileConfig", "choose_tiles", "cpu_info"]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+# Used when the cache sizes cannot be read (other OS, restricted containers): small enough that
+# the tiles fit on any x86-64 core of the last ten years.
+DEFAULT_CACHES = {"l1d": 32 * KiB, "l2": 256 * KiB, "l3": 8 * MiB}
+
+# Key columns per register-blocked micro-tile (two 64-byte vectors of float32). Key blocks are
+# multiples of it so no panel is left half full except at the end of a sequence.
+KEY_PANEL = 32
+# Query rows per micro-tile. Query blocks are multiples of it.
+ROW_GROUP = 8
+# Measured here (see README, "Tile sweep"): past 256 query rows nothing is gained and the
+# number of work items, hence the parallelism, shrinks.
+MAX_BLOCK_Q = 256
+MAX_BLOCK_K = 256
+# The share of a cache level a tile's working set may claim; the rest is left to the other
+# streams (output rows, masks, the other hyper-thread) so they do not evict it.
+L1_SHARE = 0.75
+L2_SHARE = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Block sizes of the tiled loop: `block_q` query rows x `block_k` key columns."""
+
+    block_q: int
+    block_k: int
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value}")
+            object.__setattr__(self, name, int(value))
+
+
+def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
+    """Pick `block_q` and `block_k` for a head dim from the cache sizes.
+
+    The model (`e` bytes per element of the compute dtype, float32 for half precisions):
+
+    * **L1 holds one key block.** The Q K^T micro-kernel sweeps every key panel of the block
+      once per group of query rows, and P V sweeps every value row; keeping the whole
+      ``block_k x max(D, Dv)`` block in L1 makes those sweeps L1 hits::
+
+          block_k * max(D, Dv) * e <= L1_SHARE * L1d
+
+      rounded down to a multiple of the 32-key panel (at least one panel).
+    * **L2 holds a query tile's state next to the key and value blocks**: the packed queries,
+      the unnormalized accumulator, the score tile, and the K and V blocks::
+
+          (block_q * (D + Dv + block_k) + block_k * (D + Dv)) * e <= L2_SHARE * L2
+
+      `block_q` is the largest multiple of 8 rows that fits, at most 256: each K/V block is then
+      re-used by as many rows as possible (one head's K and V at N = 4096 and D = 128 is 4 MB,
+      more than L2, so they stream from memory once per query tile).
+
+    A larger cache never gives smaller tiles. ``cache`` is a dict with keys ``"l1d"`` and ``"l2"``
+    in bytes; None reads them from this machine (`cpu_info`).
+    """
+    caches = _cache_sizes() if cache is None else cache
+    l1, l2 = int(caches["l1d"]), int(caches["l2"])
+    d = int(head_dim)
+    dv = d if head_dim_v is None else int(head_dim_v)
+    e = 8 if np.dtype(dtype) == np.float64 else 4
+
+    block_k = int(L1_SHARE * l1) // (max(d, dv) * e)
+    block_k = max(KEY_PANEL, min(MAX_BLOCK_K, block_k // KEY_PANEL * KEY_PANEL))
+
+    budget = int(L2_SHARE * l2) // e - block_k * (d + dv)
+    block_q = budget // (d + dv + block_k) // ROW_GROUP * ROW_GROUP
+    block_q = max(ROW_GROUP, min(MAX_BLOCK_Q, block_q))
+    return TileConfig(block_q, block_k)
+
+
+def working_set_bytes(tiles, head_dim, dtype=np.float32, head_dim_v=None):
+    """Bytes the model above places in (L1, L2) for `tiles`; used by tests and `info`."""
+    d = int(head_dim)
+    dv = d if head_dim_v is None else int(head_dim_v)
+    e = 8 if np.dtype(dtype) == np.float64 else 4
+    l1 = tiles.block_k * max(d, dv) * e
+    l2 = (tiles.block_q * (d + dv + tiles.block_k) + tiles.block_k * (d + dv)) * e
+    return l1, l2
+
+
+def split_for_threads(tiles, n_rows, n_heads_total, n_threads):
+    """Shrink `block_q` so that a call has at least two work items per thread when it can.
+
+    `n_heads_total` is the number of (batch, head) pairs sharing the rows. A smaller query tile
+    re-uses each K/V block less, but an idle core costs more.
+    """
+    block_q = tiles.block_q
+    while block_q > ROW_GROUP and n_heads_total * -(-n_rows // block_q) < 2 * n_threads:
+        block_q = max(ROW_GROUP, (block_q // 2) // ROW_GROUP * ROW_GROUP)
+    return TileConfig(block_q, tiles.block_k) if block_q != tiles.block_q else tiles
+
+
+# -- reading the machine ------------------------------------------------------------------------
+
+_SIZE_UNITS = {"K": KiB, "M": MiB, "G": 1024 * MiB}
+_cached_caches = None
+
+
+def _parse_size(text):
+    text = text.strip().upper()
+    if text and text[-1] in _SIZE_UNITS:
+        return int(text[:-1]) * _SIZE_UNITS[text[-1]]
+    return int(text)
+
+
+def _read_sysfs_caches(root="/sys/devices/system/cpu/cpu0/cache"):
+    """Cache sizes of cpu0 from Linux sysfs, as {"l1d", "l2", "l3"} (missing levels left out)."""
+    found = {}
+    for index in sorted(glob.glob(os.path.join(root, "index*"))):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(index, "size")) as f:
+                size = _parse_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or size <= 0:
+            continue
+        found["l1d" if level == 1 else f"l{level}"] = size
+    return found
+
+
+def _cache_sizes():
+    global _cached_caches
+    if _cached_caches is None:
+        caches = dict(DEFAULT_CACHES)
+        caches.update({k: v for k, v in _read_sysfs_caches().items() if k in caches})
+        _cached_caches = caches
+    return _cached_caches
+
+
+def _simd_features():
+    """The SIMD features LLVM reports for this host, as a sorted list of names."""
+    try:
+        import llvmlite.binding as llvm
+
+        features = llvm.get_host_cpu_features()
+        cpu_name = llvm.get_host_cpu_name()
+    except Exception:  # no llvmlite or an unknown host: report nothing rather than fail
+        return "unknown", []
+    wanted = ("sse4.2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512bf16",
+              "avx512fp16", "amx-tile", "amx-bf16", "neon", "sve")
+    return cpu_name, [name for name in wanted if features.get(name, False)]
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def cpu_info():
+    """What cpuflash knows about this machine.
+
+    Returns a dict: ``model`` (CPU model string), ``llvm_cpu`` (the CPU name LLVM reports),
+    ``caches`` (bytes per level: ``l1d``, ``l2``, ``l3``; sysfs values where Linux gives them,
+    conservative defaults otherwise, ``cache_source`` says which), ``simd`` (list of SIMD
+    features), ``cores`` (logical CPUs this process may run on) and ``threads`` (Numba's current
+    thread count).
+    """
+    import numba
+
+    sysfs = _read_sysfs_caches()
+    llvm_cpu, simd = _simd_features()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return {
+        "model": _cpu_model(),
+        "llvm_cpu": llvm_cpu,
+        "caches": dict(_cache_sizes()),
+        "cache_source": "sysfs" if sysfs else "defaults",
+        "simd": simd,
+        "cores": cores,
+        "threads": numba.get_num_threads(),
+    }

@@ -1,0 +1,178 @@
+"""cpuflash.attention against the float64 reference, on deliberately awkward sizes."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash.reference import attention_reference
+
+from conftest import assert_close_to_reference, random_qkv
+
+SEQLEN_PAIRS = [(1, 239), (3, 799), (127, 513), (113, 203), (1023, 1024)]
+SEQLEN_PAIRS += [(nk, nq) for nq, nk in SEQLEN_PAIRS]
+HEAD_DIMS = [1, 40, 59, 64, 111, 128, 256, 512]
+HEADS = [(4, 4), (4, 2), (4, 1)]  # MHA, GQA, MQA
+
+
+def grid():
+    """Every seqlen pair and every head dim, with heads, causal and dtype cycling through."""
+    cases = []
+    flavours = itertools.cycle(itertools.product(HEADS, (False, True), (np.float32, np.float64)))
+    for (n_q, n_k), d in itertools.product(SEQLEN_PAIRS, HEAD_DIMS):
+        (hq, hk), causal, dtype = next(flavours)
+        if n_q * n_k * d > 1024 * 1024 * 64:  # keep the reference's N x N matrix small
+            d = 64
+        cases.append(pytest.param(n_q, n_k, d, hq, hk, causal, dtype,
+                                  id=f"{n_q}x{n_k}-d{d}-h{hq}/{hk}-{'causal' if causal else 'full'}"
+                                     f"-{np.dtype(dtype).name}"))
+    return cases
+
+
+@pytest.mark.parametrize("n_q,n_k,d,hq,hk,causal,dtype", grid())
+def test_matches_reference(rng, n_q, n_k, d, hq, hk, causal, dtype):
+    q, k, v = random_qkv(rng, (1, hq, n_q, d), (1, hk, n_k, d), dtype=dtype)
+    out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=causal)
+
+
+@pytest.mark.parametrize("tiles", [(1, 1), (3, 5), (7, 33), (64, 17), (2048, 2048)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_odd_tiles(rng, tiles, causal):
+    q, k, v = random_qkv(rng, (2, 3, 113, 40), (2, 3, 203, 40), d_v=24)
+    out, lse = cpuflash.attention(q, k, v, causal=causal, tiles=tiles, return_lse=True)
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=causal)
+
+
+def test_large_scores_are_stable(rng):
+    q, k, v = random_qkv(rng, (2, 200, 64), (2, 300, 64))
+    out, lse = cpuflash.attention(q * 30, k * 30, v, return_lse=True, causal=True)
+    assert np.isfinite(out).all()
+    assert_close_to_reference(out, q * 30, k * 30, v, lse=lse, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dv_differs_from_d(rng, causal):
+    q, k, v = random_qkv(rng, (2, 4, 70, 48), (2, 2, 90, 48), d_v=80)
+    out = cpuflash.attention(q, k, v, causal=causal)
+    assert out.shape == (2, 4, 70, 80)
+    assert_close_to_reference(out, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("shape", [(50, 32), (3, 50, 32), (2, 3, 50, 32), (2, 1, 3, 50, 32)])
+def test_any_number_of_leading_axes(rng, shape):
+    q, k, v = random_qkv(rng, shape, shape)
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == shape and lse.shape == shape[:-1]
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=True)
+
+
+def test_bshd_layout_matches_bhsd(rng):
+    q, k, v = random_qkv(rng, (2, 77, 4, 32), (2, 90, 2, 32), d_v=16)
+    out, lse = cpuflash.attention(q, k, v, layout="bshd", causal=True, return_lse=True)
+    assert out.shape == (2, 77, 4, 16) and lse.shape == (2, 4, 77)
+    swap = [np.swapaxes(x, 1, 2) for x in (q, k, v)]
+    ref, ref_lse = cpuflash.attention(*swap, causal=True, return_lse=True)
+    np.testing.assert_array_equal(out, np.swapaxes(ref, 1, 2))
+    np.testing.assert_array_equal(lse, ref_lse)
+    assert_close_to_reference(out, q, k, v, lse=lse, layout="bshd", causal=True)
+
+
+def strided_views(rng):
+    """Views of the same (2, 3, 60, 24) data with unusual strides."""
+    base = rng.standard_normal((2, 3, 60, 24)).astype(np.float32)
+    fortran = np.asfortranarray(base)
+    transposed = np.ascontiguousarray(base.transpose(3, 2, 1, 0)).transpose(3, 2, 1, 0)
+    sliced = np.repeat(base, 2, axis=-1)[..., ::2]
+    flipped = np.ascontiguousarray(base[:, :, ::-1, ::-1])[:, :, ::-1, ::-1]
+    readonly = base.copy()
+    readonly.flags.writeable = False
+    return base, {"fortran": fortran, "transposed": transposed, "sliced": sliced,
+                  "negative": flipped, "readonly": readonly}
+
+
+def test_any_strides_give_the_same_bits(rng):
+    base, views = strided_views(rng)
+    expected = cpuflash.attention(base, base, base, causal=True)
+    for name, view in views.items():
+        np.testing.assert_array_equal(view, base)
+        got = cpuflash.attention(view, view, view, causal=True)
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_inputs_are_not_modified(rng):
+    q, k, v = random_qkv(rng, (2, 4, 33, 16), (2, 2, 45, 16))
+    copies = [x.copy() for x in (q, k, v)]
+    cpuflash.attention(q, k, v, causal=True)
+    for x, c in zip((q, k, v), copies):
+        np.testing.assert_array_equal(x, c)
+
+
+def test_out_argument(rng):
+    q, k, v = random_qkv(rng, (2, 4, 33, 16), (2, 2, 45, 16))
+    expected = cpuflash.attention(q, k, v)
+    out = np.full((2, 4, 33, 16), np.nan, dtype=np.float32)
+    assert cpuflash.attention(q, k, v, out=out) is out
+    np.testing.assert_array_equal(out, expected)
+    # a strided destination (every other row of a bigger array) is written through its strides
+    big = np.zeros((2, 4, 66, 16), dtype=np.float32)
+    returned = cpuflash.attention(q, k, v, out=big[:, :, ::2])
+    np.testing.assert_array_equal(big[:, :, ::2], expected)
+    np.testing.assert_array_equal(big[:, :, 1::2], 0)
+    np.testing.assert_array_equal(returned, expected)
+
+
+def test_out_that_aliases_an_input(rng):
+    q, k, v = random_qkv(rng, (1, 2, 40, 16), (1, 2, 40, 16))
+    expected = cpuflash.attention(q, k, v)
+    cpuflash.attention(q, k, v, out=q)  # q is read fully before it is overwritten
+    np.testing.assert_array_equal(q, expected)
+
+
+def test_out_that_cannot_be_flattened(rng):
+    q, k, v = random_qkv(rng, (2, 3, 2, 20, 8), (2, 3, 2, 20, 8))
+    expected = cpuflash.attention(q, k, v)
+    out = np.zeros((3, 2, 2, 20, 8), dtype=np.float32).transpose(1, 0, 2, 3, 4)
+    cpuflash.attention(q, k, v, out=out)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0), (0, 0)])
+def test_empty_sequences(rng, n_q, n_k):
+    q, k, v = random_qkv(rng, (2, 3, n_q, 8), (2, 3, n_k, 8), d_v=5)
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 3, n_q, 5) and lse.shape == (2, 3, n_q)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_causal_rows_with_no_visible_key(rng):
+    # Nq > Nk: bottom-right alignment leaves the first Nq - Nk rows with no key
+    q, k, v = random_qkv(rng, (1, 2, 9, 8), (1, 2, 4, 8))
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert np.all(out[:, :, :5] == 0) and np.all(lse[:, :, :5] == -np.inf)
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=True)
+
+
+def test_scale(rng):
+    q, k, v = random_qkv(rng, (1, 2, 50, 16), (1, 2, 60, 16))
+    out = cpuflash.attention(q, k, v, scale=0.7, causal=True)
+    assert_close_to_reference(out, q, k, v, scale=0.7, causal=True)
+
+
+def test_bottom_right_alignment_matches_decoding(rng):
+    """The last Nq rows of a causal self-attention equal a causal Nq x Nk call."""
+    q, k, v = random_qkv(rng, (1, 2, 64, 16), (1, 2, 64, 16))
+    full = cpuflash.attention(q, k, v, causal=True)
+    tail = cpuflash.attention(q[:, :, -5:], k, v, causal=True)
+    np.testing.assert_allclose(tail, full[:, :, -5:], rtol=1e-5, atol=1e-6)
+
+
+def test_reference_is_plain_softmax(rng):
+    """The oracle itself, against the textbook formula on one head."""
+    q, k, v = random_qkv(rng, (5, 7), (6, 7), dtype=np.float64)
+    s = q @ k.T / np.sqrt(7)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    expected = (p / p.sum(axis=1, keepdims=True)) @ v
+    np.testing.assert_allclose(attention_reference(q, k, v), expected, rtol=1e-12)
