@@ -3,23 +3,59 @@
 Shapes (compute dtype, C order, owned by one thread):
 
 * ``q_tile (block_q, D)``: the tile's queries, already multiplied by the score scale;
-* ``k_panels (panels, D, PANEL)``: the key block packed into panels of `PANEL` keys, so the
-  Q K^T step reads each panel as one contiguous stream;
-* ``v_tile (panels * PANEL, Dv)``: the value block, row-major;
-* ``scores (block_q, panels * PANEL)``: S, then P in place;
-* ``acc (block_q, Dv)``: the unnormalized output; ``row_max``, ``row_sum``, ``alpha`` per row.
+* ``k_panels (panels, D, W)``: the key block packed into panels of ``W = 2 * lanes`` keys (two
+  SIMD vectors), so the Q K^T micro-kernel reads each panel as one contiguous stream;
+* ``v_tile (panels * W, Dvp)``: the value block, row-major, ``Dvp`` = Dv rounded up to ``W``;
+* ``scores (block_q, panels * W)``: S, then P in place;
+* ``acc (block_q, Dvp)``: the unnormalized output; ``row_max``, ``row_sum``, ``alpha`` per row.
 
-Only the first `rows` x `cols` entries of a tile are meaningful; padding is never read.
+Only the first `rows` x `cols` entries of a tile are meaningful. Padding columns of `v_tile` and
+`acc` are zero (they are allocated zeroed and never written), so whole vectors can be used.
+
+The three hot steps (Q K^T, the softmax update, P V) are written with the explicit SIMD values
+of `cpuflash._simd`: register-blocked micro-kernels of `ROWS` query rows x two vectors, whose
+accumulators stay in registers for a whole panel (12 of them: they fit the 16 registers of AVX2
+as well as the 32 of AVX-512).
 """
 
 import math
 
 import numpy as np
+from numba.extending import overload
+from numba.np.numpy_support import as_dtype
 
+from .. import _simd
 from .._jit import jit
+from .._simd import vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, vstore, \
+    vsub, vzeros, vadd
 from ._convert import narrow, widen
 
-PANEL = 32  # keys per packed panel (tiling.KEY_PANEL)
+ROWS = 6  # query rows per micro-tile
+
+
+def lanes(arr):
+    """Elements of `arr`'s dtype in one SIMD vector (a compile-time constant in kernels)."""
+    return _simd.lanes_for(arr.dtype)
+
+
+@overload(lanes, jit_options={"cache": True})
+def _lanes(arr):
+    n = _simd.lanes_for(as_dtype(arr.dtype))
+    return lambda arr: n
+
+
+
+
+@jit
+def tile_buffers(block_q, block_k, d, dv, like):
+    """Zeroed q_tile, k_panels, v_tile, scores and acc of one thread, in `like`'s dtype."""
+    dtype = like.dtype
+    width = 2 * lanes(like)
+    keys = (block_k + width - 1) // width * width
+    dvp = (dv + width - 1) // width * width
+    return (np.zeros((block_q, d), dtype=dtype), np.zeros((keys // width, d, width), dtype=dtype),
+            np.zeros((keys, dvp), dtype=dtype), np.zeros((block_q, keys), dtype=dtype),
+            np.zeros((block_q, dvp), dtype=dtype))
 
 
 @jit
@@ -32,30 +68,84 @@ def pack_rows(src, b, h, start, rows, dst, mult, half):
 
 @jit
 def pack_key_panels(k, b, h, start, cols, k_panels, half):
-    """Key rows start..start+cols into panels: k_panels[c // PANEL, :, c % PANEL]."""
+    """Key rows start..start+cols into panels: k_panels[c // W, :, c % W]."""
+    w = k_panels.shape[2]
     for c in range(cols):
-        panel, lane = c // PANEL, c % PANEL
+        panel, lane = c // w, c % w
         for x in range(k.shape[3]):
             k_panels[panel, x, lane] = widen(k[b, h, start + c, x], half)
-    last = (cols - 1) // PANEL
-    for lane in range(cols - last * PANEL, PANEL):  # zero the tail of a partial last panel
+    last = (cols - 1) // w
+    for lane in range(cols - last * w, w):  # zero the tail of a partial last panel
         for x in range(k.shape[3]):
             k_panels[last, x, lane] = 0.0
 
 
 @jit
 def qk_tile(q_tile, k_panels, scores, rows, cols):
-    """scores[:rows, :cols] = q_tile[:rows] @ keys^T, one panel of keys at a time."""
-    d = q_tile.shape[1]
-    for panel in range((cols + PANEL - 1) // PANEL):
-        c0 = panel * PANEL
-        for r in range(rows):
-            for lane in range(PANEL):
-                scores[r, c0 + lane] = 0.0
-            for x in range(d):
-                qx = q_tile[r, x]
-                for lane in range(PANEL):
-                    scores[r, c0 + lane] += qx * k_panels[panel, x, lane]
+    """scores[:rows, :cols] = q_tile[:rows] @ keys^T, panel by panel, ROWS rows at a time."""
+    w = k_panels.shape[2]
+    for panel in range((cols + w - 1) // w):
+        r = 0
+        while r + ROWS <= rows:
+            _qk_micro6(q_tile, r, k_panels, panel, scores)
+            r += ROWS
+        for r in range(r, rows):
+            _qk_micro1(q_tile, r, k_panels, panel, scores)
+
+
+@jit
+def _qk_micro6(q_tile, r, k_panels, panel, scores):
+    """Six rows x one panel of scores, accumulated in 12 vector registers over D."""
+    d, w = q_tile.shape[1], k_panels.shape[2]
+    n = lanes(q_tile)
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(q_tile)
+    q = r * d
+    kp = panel * d * w
+    for x in range(d):
+        k0 = vload(k_panels, kp + x * w)
+        k1 = vload(k_panels, kp + x * w + n)
+        s = vbroadcast(q_tile, q + x)
+        a0, a1 = vfma(s, k0, a0), vfma(s, k1, a1)
+        s = vbroadcast(q_tile, q + d + x)
+        b0, b1 = vfma(s, k0, b0), vfma(s, k1, b1)
+        s = vbroadcast(q_tile, q + 2 * d + x)
+        c0, c1 = vfma(s, k0, c0), vfma(s, k1, c1)
+        s = vbroadcast(q_tile, q + 3 * d + x)
+        d0, d1 = vfma(s, k0, d0), vfma(s, k1, d1)
+        s = vbroadcast(q_tile, q + 4 * d + x)
+        e0, e1 = vfma(s, k0, e0), vfma(s, k1, e1)
+        s = vbroadcast(q_tile, q + 5 * d + x)
+        f0, f1 = vfma(s, k0, f0), vfma(s, k1, f1)
+    sw = scores.shape[1]
+    out = r * sw + panel * w
+    vstore(scores, out, a0)
+    vstore(scores, out + n, a1)
+    vstore(scores, out + sw, b0)
+    vstore(scores, out + sw + n, b1)
+    vstore(scores, out + 2 * sw, c0)
+    vstore(scores, out + 2 * sw + n, c1)
+    vstore(scores, out + 3 * sw, d0)
+    vstore(scores, out + 3 * sw + n, d1)
+    vstore(scores, out + 4 * sw, e0)
+    vstore(scores, out + 4 * sw + n, e1)
+    vstore(scores, out + 5 * sw, f0)
+    vstore(scores, out + 5 * sw + n, f1)
+
+
+@jit
+def _qk_micro1(q_tile, r, k_panels, panel, scores):
+    """One row x one panel: the remainder rows of a tile."""
+    d, w = q_tile.shape[1], k_panels.shape[2]
+    n = lanes(q_tile)
+    a0 = a1 = vzeros(q_tile)
+    kp = panel * d * w
+    for x in range(d):
+        s = vbroadcast(q_tile, r * d + x)
+        a0 = vfma(s, vload(k_panels, kp + x * w), a0)
+        a1 = vfma(s, vload(k_panels, kp + x * w + n), a1)
+    out = r * scores.shape[1] + panel * w
+    vstore(scores, out, a0)
+    vstore(scores, out + n, a1)
 
 
 @jit
@@ -107,38 +197,109 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
 
     alpha[r] = exp2(old max - new max) is the factor that rescales what row r accumulated so
     far. A row whose every score so far is -inf keeps max -inf and uses 0 as its shift, so it
-    produces zeros rather than NaN; a NaN score is never taken as the max and reaches the output
-    through exp2(NaN).
+    produces zeros rather than NaN; a NaN score makes its row max NaN and so its output NaN.
+    Scores past `cols` in the last vector are set to -inf first, so whole vectors can be used.
     """
+    n = lanes(scores)
+    sw = scores.shape[1]
+    width = (cols + n - 1) // n * n
     for r in range(rows):
-        block_max = -np.inf
-        for c in range(cols):
-            if scores[r, c] > block_max:
-                block_max = scores[r, c]
-        new_max = max(row_max[r], block_max)
+        for c in range(cols, width):
+            scores[r, c] = -np.inf
+        base = r * sw
+        top = vload(scores, base)
+        for c in range(n, width, n):
+            top = vmax(top, vload(scores, base + c))
+        block_max = vhmax(top)
+        new_max = block_max if block_max > row_max[r] or block_max != block_max else row_max[r]
         shift = new_max if new_max != -np.inf else 0.0
         alpha[r] = math.exp2(row_max[r] - shift)
-        total = 0.0
-        for c in range(cols):
-            p = math.exp2(scores[r, c] - shift)
-            scores[r, c] = p
-            total += p
-        row_sum[r] = row_sum[r] * alpha[r] + total
+        shift_v = vsplat(shift, scores)
+        total = vzeros(scores)
+        for c in range(0, width, n):
+            p = vexp2(vsub(vload(scores, base + c), shift_v))
+            vstore(scores, base + c, p)
+            total = vadd(total, p)
+        row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
         row_max[r] = new_max
 
 
 @jit
 def pv_tile(scores, v_tile, acc, alpha, rows, cols):
-    """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c]."""
-    dv = acc.shape[1]
-    for r in range(rows):
-        a = alpha[r]
-        for x in range(dv):
-            acc[r, x] *= a
-        for c in range(cols):
-            p = scores[r, c]
-            for x in range(dv):
-                acc[r, x] += p * v_tile[c, x]
+    """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c], ROWS rows x two vectors at a time."""
+    w = 2 * lanes(acc)
+    for x0 in range(0, acc.shape[1], w):
+        r = 0
+        while r + ROWS <= rows:
+            _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols)
+            r += ROWS
+        for r in range(r, rows):
+            _pv_micro1(scores, r, v_tile, x0, acc, alpha, cols)
+
+
+@jit
+def _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols):
+    """Six rows x two vectors of output columns, rescaled by alpha on load, summed over keys."""
+    n = lanes(acc)
+    dvp, sw = acc.shape[1], scores.shape[1]
+    o = r * dvp + x0
+    a0 = vmul(vload(acc, o), vsplat(alpha[r], acc))
+    a1 = vmul(vload(acc, o + n), vsplat(alpha[r], acc))
+    b0 = vmul(vload(acc, o + dvp), vsplat(alpha[r + 1], acc))
+    b1 = vmul(vload(acc, o + dvp + n), vsplat(alpha[r + 1], acc))
+    c0 = vmul(vload(acc, o + 2 * dvp), vsplat(alpha[r + 2], acc))
+    c1 = vmul(vload(acc, o + 2 * dvp + n), vsplat(alpha[r + 2], acc))
+    d0 = vmul(vload(acc, o + 3 * dvp), vsplat(alpha[r + 3], acc))
+    d1 = vmul(vload(acc, o + 3 * dvp + n), vsplat(alpha[r + 3], acc))
+    e0 = vmul(vload(acc, o + 4 * dvp), vsplat(alpha[r + 4], acc))
+    e1 = vmul(vload(acc, o + 4 * dvp + n), vsplat(alpha[r + 4], acc))
+    f0 = vmul(vload(acc, o + 5 * dvp), vsplat(alpha[r + 5], acc))
+    f1 = vmul(vload(acc, o + 5 * dvp + n), vsplat(alpha[r + 5], acc))
+    p = r * sw
+    for c in range(cols):
+        v0 = vload(v_tile, c * dvp + x0)
+        v1 = vload(v_tile, c * dvp + x0 + n)
+        s = vbroadcast(scores, p + c)
+        a0, a1 = vfma(s, v0, a0), vfma(s, v1, a1)
+        s = vbroadcast(scores, p + sw + c)
+        b0, b1 = vfma(s, v0, b0), vfma(s, v1, b1)
+        s = vbroadcast(scores, p + 2 * sw + c)
+        c0, c1 = vfma(s, v0, c0), vfma(s, v1, c1)
+        s = vbroadcast(scores, p + 3 * sw + c)
+        d0, d1 = vfma(s, v0, d0), vfma(s, v1, d1)
+        s = vbroadcast(scores, p + 4 * sw + c)
+        e0, e1 = vfma(s, v0, e0), vfma(s, v1, e1)
+        s = vbroadcast(scores, p + 5 * sw + c)
+        f0, f1 = vfma(s, v0, f0), vfma(s, v1, f1)
+    vstore(acc, o, a0)
+    vstore(acc, o + n, a1)
+    vstore(acc, o + dvp, b0)
+    vstore(acc, o + dvp + n, b1)
+    vstore(acc, o + 2 * dvp, c0)
+    vstore(acc, o + 2 * dvp + n, c1)
+    vstore(acc, o + 3 * dvp, d0)
+    vstore(acc, o + 3 * dvp + n, d1)
+    vstore(acc, o + 4 * dvp, e0)
+    vstore(acc, o + 4 * dvp + n, e1)
+    vstore(acc, o + 5 * dvp, f0)
+    vstore(acc, o + 5 * dvp + n, f1)
+
+
+@jit
+def _pv_micro1(scores, r, v_tile, x0, acc, alpha, cols):
+    """One row x two vectors: the remainder rows of a tile."""
+    n = lanes(acc)
+    dvp = acc.shape[1]
+    o = r * dvp + x0
+    a0 = vmul(vload(acc, o), vsplat(alpha[r], acc))
+    a1 = vmul(vload(acc, o + n), vsplat(alpha[r], acc))
+    p = r * scores.shape[1]
+    for c in range(cols):
+        s = vbroadcast(scores, p + c)
+        a0 = vfma(s, vload(v_tile, c * dvp + x0), a0)
+        a1 = vfma(s, vload(v_tile, c * dvp + x0 + n), a1)
+    vstore(acc, o, a0)
+    vstore(acc, o + n, a1)
 
 
 @jit
@@ -157,6 +318,6 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, ln2, h
             m = top
         else:
             norm = 1.0 / total if total != 0 else 0.0  # NaN stays NaN
-        for x in range(acc.shape[1]):
+        for x in range(out.shape[3]):
             out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half)
         lse[b, h, start + r] = (m + math.log2(total)) * ln2 if total != 0 else -np.inf

@@ -23,17 +23,12 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
     n_k, dv = k.shape[2], v.shape[3]
     group = n_heads // k.shape[1]
     cdtype = lse.dtype
-    panels = (block_k + _steps.PANEL - 1) // _steps.PANEL
     shift = n_k - n_q
     right = 0 if causal else -1
     for bh in prange(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         hk = h // group
-        q_tile = np.empty((block_q, d), dtype=cdtype)
-        k_panels = np.zeros((panels, d, _steps.PANEL), dtype=cdtype)
-        v_tile = np.zeros((panels * _steps.PANEL, dv), dtype=cdtype)
-        scores = np.empty((block_q, panels * _steps.PANEL), dtype=cdtype)
-        acc = np.empty((block_q, dv), dtype=cdtype)
+        q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
         tile_max = np.empty(block_q, dtype=cdtype)
         tile_sum = np.empty(block_q, dtype=cdtype)
         alpha = np.empty(block_q, dtype=cdtype)

@@ -32,7 +32,6 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
     dv = v.shape[3]
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
-    panels = (block_k + _steps.PANEL - 1) // _steps.PANEL
     has_alibi = alibi.shape[1] > 0
     has_bias = bias.shape[0] > 0
     has_mask = mask.shape[0] > 0
@@ -43,11 +42,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
         # -- thread-local tile state, allocated once per chunk of work items
-        q_tile = np.empty((block_q, d), dtype=cdtype)
-        k_panels = np.zeros((panels, d, _steps.PANEL), dtype=cdtype)
-        v_tile = np.zeros((panels * _steps.PANEL, dv), dtype=cdtype)
-        scores = np.empty((block_q, panels * _steps.PANEL), dtype=cdtype)
-        acc = np.empty((block_q, dv), dtype=cdtype)
+        q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
         row_max = np.empty(block_q, dtype=cdtype)
         row_sum = np.empty(block_q, dtype=cdtype)
         alpha = np.empty(block_q, dtype=cdtype)

@@ -1,0 +1,386 @@
+"""Explicit SIMD vectors for Numba kernels.
+
+Why this layer exists: Numba leaves vectorization to LLVM's loop vectorizer, which does not turn
+plain loops into a register-blocked tile of accumulators, prefers 256-bit vectors on many CPUs,
+and turns `math.exp` under fastmath into `llvm.exp` on vectors, lowered to one scalar `expf` call
+per lane (the pip builds of llvmlite ship no SVML vector math library). The FA-2 micro-kernels
+need the opposite: a dozen or more accumulator vectors that stay in registers for a whole K
+panel, and a softmax whose exponential costs a handful of vector instructions. So this module
+gives Numba a vector type whose data model is the LLVM vector `<LANES x float>`, and a few
+operations on it written as `numba.extending` intrinsics that emit LLVM IR. The operations are
+callable from `@njit` code only; vectors never cross into Python (no boxing).
+
+The width follows the CPU that Numba compiles for (`NUMBA_CPU_NAME` / `NUMBA_CPU_FEATURES`, else
+the host): one 512-bit register (16 float32 or 8 float64) with AVX-512F, else 8 float32 / 4
+float64 (one AVX register; LLVM splits them where vectors are narrower, so any CPU runs the code).
+
+Contract
+--------
+* `arr` is a float32 or float64 array and `i` an element offset from its first element: for a
+  C-contiguous array of any ndim, the flat index. The `lanes` elements from there must be
+  contiguous in memory and inside the array; nothing is checked (no bounds, no strides).
+* A vector's element type is its array's dtype; the operands of one operation must agree.
+* No operation carries fast-math flags, and NaN and +-inf behave as documented per function.
+  Numba's `fastmath` adds flags to the floating-point instructions emitted here too: a flag set
+  without `nnan`/`ninf` (as `cpuflash._jit.FASTMATH`) keeps these guarantees, `fastmath=True`
+  does not.
+"""
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba.core import codegen, config, errors, types
+from numba.extending import intrinsic, models, register_model
+
+__all__ = [
+    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vstore", "vbroadcast", "vsplat", "vzeros",
+    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vexp2",
+]
+
+# A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
+_PROBE_IR = """
+define <16 x float> @probe(<16 x float> %a, <16 x float> %b) {
+  %c = fadd <16 x float> %a, %b
+  ret <16 x float> %c
+}
+"""
+
+
+def _cpu_model_has_avx512f(cpu_name):
+    """Whether LLVM's model of `cpu_name` (no extra features) uses 512-bit registers."""
+    try:
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu_name)
+        module = llvm.parse_assembly(_PROBE_IR)
+        return "zmm" in machine.emit_assembly(module)
+    except Exception:  # an unknown CPU or a target without an assembly printer
+        return False
+
+
+def _target_has_avx512f(cpu_name, features):
+    """Whether Numba, given `NUMBA_CPU_NAME` and `NUMBA_CPU_FEATURES`, compiles for AVX-512F.
+
+    Numba's JIT passes the host's feature string unless `NUMBA_CPU_FEATURES` is set, even for a
+    named CPU. A named CPU stands for the machine the code is meant for, so it only gets 512-bit
+    vectors if LLVM's model of that CPU has them or the explicit feature string adds them.
+    """
+    if cpu_name in (None, "host") and features is None:
+        return "+avx512f" in codegen.get_host_cpu_features().split(",")
+    flags = features.split(",") if features else []
+    if "+avx512f" in flags or "-avx512f" in flags:
+        return "+avx512f" in flags
+    if cpu_name in (None, "host"):
+        cpu_name = llvm.get_host_cpu_name()
+    return _cpu_model_has_avx512f(cpu_name)
+
+
+LANES_F32 = 16 if _target_has_avx512f(config.CPU_NAME, config.CPU_FEATURES) else 8
+LANES_F64 = LANES_F32 // 2
+
+
+def lanes_for(dtype):
+    """Lanes of a vector of `dtype` (anything `np.dtype` accepts: float32 or float64)."""
+    name = np.dtype(dtype).name
+    if name not in ("float32", "float64"):
+        raise ValueError("`dtype` must be float32 or float64, got %s" % name)
+    return LANES_F32 if name == "float32" else LANES_F64
+
+
+class Vec(types.Type):
+    """Numba type of a SIMD vector of `lanes` values of the float type `dtype`."""
+
+    def __init__(self, dtype, lanes):
+        self.dtype = dtype
+        self.lanes = lanes
+        super().__init__(name="vec%dx%s" % (lanes, dtype))
+
+
+_LL_FLOAT = {types.float32: ir.FloatType(), types.float64: ir.DoubleType()}
+_VEC = {types.float32: Vec(types.float32, LANES_F32), types.float64: Vec(types.float64, LANES_F64)}
+_I32 = ir.IntType(32)
+
+
+@register_model(Vec)
+class _VecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(_LL_FLOAT[fe_type.dtype], fe_type.lanes))
+
+
+# -- typing helpers: raise a TypingError naming the argument, as Numba reports it to the user
+
+def _array_vec(arr, name, writable=False):
+    if not (isinstance(arr, types.Array) and arr.dtype in _VEC):
+        raise errors.TypingError("`%s` must be a float32 or float64 array, got %s" % (name, arr))
+    if writable and not arr.mutable:
+        raise errors.TypingError("`%s` is read-only" % name)
+    return _VEC[arr.dtype]
+
+
+def _check_index(i):
+    if not isinstance(i, types.Integer):
+        raise errors.TypingError("`i` must be an integer, got %s" % i)
+
+
+def _same_vec(*args):
+    if not (isinstance(args[0], Vec) and all(a == args[0] for a in args)):
+        raise errors.TypingError("expected vectors of one type, got %s" % ", ".join(map(str, args)))
+    return args[0]
+
+
+# -- IR helpers
+
+def _vec_ll(vec):
+    return ir.VectorType(_LL_FLOAT[vec.dtype], vec.lanes)
+
+
+def _const(llvec, value):
+    return ir.Constant(llvec, [ir.Constant(llvec.element, value)] * llvec.count)
+
+
+def _lane_mask(indices):
+    return ir.Constant(ir.VectorType(_I32, len(indices)), [ir.Constant(_I32, k) for k in indices])
+
+
+def _call(builder, op, *args):
+    """Call the overloaded LLVM intrinsic `llvm.<op>` on vectors of one type."""
+    llvec = args[0].type
+    name = "llvm.%s.v%d%s" % (op, llvec.count, llvec.element.intrinsic_name)
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(llvec, [llvec] * len(args)), name)
+    return builder.call(fn, args)
+
+
+def _element_ptr(context, builder, sig, args, llvec=None):
+    """Address of element `args[1]` of array `args[0]`, as a pointer to `llvec` if given."""
+    (arrty, ity), (arr, i) = sig.args[:2], args[:2]
+    data = context.make_array(arrty)(context, builder, value=arr).data
+    ptr = builder.gep(data, [context.cast(builder, i, ity, types.intp)], inbounds=True)
+    return ptr if llvec is None else builder.bitcast(ptr, llvec.as_pointer())
+
+
+def _splat(builder, scalar, llvec):
+    one = builder.insert_element(ir.Constant(llvec, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, _lane_mask([0] * llvec.count))
+
+
+def _max(builder, a, b):
+    # a > b ? a : b gives b when either is NaN, so b's NaN survives; the second select keeps a's.
+    larger = builder.select(builder.fcmp_ordered(">", a, b), a, b)
+    return builder.select(builder.fcmp_unordered("uno", a, a), a, larger)
+
+
+def _add(builder, a, b):
+    return builder.fadd(a, b)
+
+
+def _reduce(builder, vec, combine):
+    """Fold the halves of `vec` onto each other until one lane is left: a log2(lanes) tree."""
+    while vec.type.count > 1:
+        half = vec.type.count // 2
+        low = builder.shuffle_vector(vec, vec, _lane_mask(range(half)))
+        high = builder.shuffle_vector(vec, vec, _lane_mask(range(half, 2 * half)))
+        vec = combine(builder, low, high)
+    return builder.extract_element(vec, ir.Constant(_I32, 0))
+
+
+# -- memory
+
+@intrinsic
+def vload(typingctx, arr, i):
+    """Load `arr[i : i + lanes]` (unaligned) into a vector."""
+    vec = _array_vec(arr, "arr")
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, _vec_ll(vec))
+        return builder.load(ptr, align=arr.dtype.bitwidth // 8)
+
+    return vec(arr, i), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, i, vec):
+    """Store `vec` into `arr[i : i + lanes]` (unaligned)."""
+    if _array_vec(arr, "arr", writable=True) != vec:
+        raise errors.TypingError("`vec` must be a %s, got %s" % (_VEC[arr.dtype], vec))
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, _vec_ll(vec))
+        builder.store(args[2], ptr, align=arr.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, vec), codegen
+
+
+@intrinsic
+def vbroadcast(typingctx, arr, i):
+    """The vector with `arr[i]` in every lane (one broadcast load)."""
+    vec = _array_vec(arr, "arr")
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        scalar = builder.load(_element_ptr(context, builder, sig, args))
+        return _splat(builder, scalar, _vec_ll(vec))
+
+    return vec(arr, i), codegen
+
+
+# -- constants
+
+def _like_vec(like):
+    if isinstance(like, Vec):
+        return like
+    return _array_vec(like, "like")
+
+
+@intrinsic
+def vsplat(typingctx, x, like):
+    """The vector with the number `x` in every lane; its type is that of `like`.
+
+    `like` is a vector, or an array whose dtype gives the element type.
+    """
+    vec = _like_vec(like)
+    if not isinstance(x, (types.Float, types.Integer)):
+        raise errors.TypingError("`x` must be a real number, got %s" % x)
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], x, vec.dtype), _vec_ll(vec))
+
+    return vec(x, like), codegen
+
+
+@intrinsic
+def vzeros(typingctx, like):
+    """The zero vector of the type of `like` (a vector, or an array giving the dtype)."""
+    vec = _like_vec(like)
+
+    def codegen(context, builder, sig, args):
+        return _const(_vec_ll(vec), 0.0)
+
+    return vec(like), codegen
+
+
+# -- lane-wise arithmetic
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """`a * b + c` with a single rounding (`llvm.fma`)."""
+    vec = _same_vec(a, b, c)
+    return vec(a, b, c), lambda context, builder, sig, args: _call(builder, "fma", *args)
+
+
+@intrinsic
+def vadd(typingctx, a, b):
+    """`a + b`, lane by lane."""
+    vec = _same_vec(a, b)
+    return vec(a, b), lambda context, builder, sig, args: builder.fadd(*args)
+
+
+@intrinsic
+def vsub(typingctx, a, b):
+    """`a - b`, lane by lane."""
+    vec = _same_vec(a, b)
+    return vec(a, b), lambda context, builder, sig, args: builder.fsub(*args)
+
+
+@intrinsic
+def vmul(typingctx, a, b):
+    """`a * b`, lane by lane."""
+    vec = _same_vec(a, b)
+    return vec(a, b), lambda context, builder, sig, args: builder.fmul(*args)
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane-wise maximum that propagates NaN from either operand, as `np.maximum` does.
+
+    A running max over scores holding a NaN is therefore NaN, and so is everything computed from
+    it. Of +0.0 and -0.0 either may come out. Costs two compares and a blend: no x86 max
+    instruction keeps a NaN from both sides.
+    """
+    vec = _same_vec(a, b)
+    return vec(a, b), lambda context, builder, sig, args: _max(builder, *args)
+
+
+# -- horizontal reductions
+
+@intrinsic
+def vhmax(typingctx, vec):
+    """Largest lane of `vec`; NaN if any lane is NaN (the semantics of `vmax`)."""
+    _same_vec(vec)
+    return vec.dtype(vec), lambda context, builder, sig, args: _reduce(builder, args[0], _max)
+
+
+@intrinsic
+def vhsum(typingctx, vec):
+    """Sum of the lanes of `vec`, added as a pairwise tree (halves onto halves)."""
+    _same_vec(vec)
+    return vec.dtype(vec), lambda context, builder, sig, args: _reduce(builder, args[0], _add)
+
+
+# -- exp2
+
+# Remez minimax fits of 2**f on [-1/2, 1/2] for relative error, with the constant term pinned to
+# 1 so that exp2(0) == 1 exactly; coefficients of f**1 .. f**d. Approximation error alone:
+# 2.6e-9 (degree 6) and 1.8e-17 (degree 11), well under the rounding error of the evaluation.
+_EXP2_POLY = {
+    types.float32: (0.69314724, 0.24022652, 0.055503104, 0.009617693, 0.0013406643,
+                    0.00015594678),
+    types.float64: (0.6931471805599457, 0.24022650695910097, 0.05550410866479039,
+                    0.009618129107607003, 0.0013333558153440052, 0.00015403530441572384,
+                    1.5252727385118282e-05, 1.3215442675178602e-06, 1.0180647687984384e-07,
+                    7.07257044116385e-09, 4.0780679325849204e-10),
+}
+# (mantissa bits, exponent bias, integer type of the same width)
+_FLOAT_LAYOUT = {
+    types.float32: (23, 127, ir.IntType(32)),
+    types.float64: (52, 1023, ir.IntType(64)),
+}
+
+
+def _exp2(builder, x, dtype):
+    llvec = x.type
+    mbits, bias, int_t = _FLOAT_LAYOUT[dtype]
+    ivec = ir.VectorType(int_t, llvec.count)
+    # Clamp to [-bias, bias + 1] (NaN passes through: both compares are false): the extreme
+    # exponents below give exactly 0 (so -inf -> 0) and +inf.
+    low, high = _const(llvec, -bias), _const(llvec, bias + 1)
+    x = builder.select(builder.fcmp_ordered("<", x, low), low, x)
+    x = builder.select(builder.fcmp_ordered(">", x, high), high, x)
+    # 2**x = 2**n * 2**f with n the nearest integer and f in [-1/2, 1/2]. roundeven rather than
+    # the add-and-subtract-1.5*2**mbits trick, which the `reassoc` flag of the caller would fold.
+    n = _call(builder, "roundeven", x)
+    f = builder.fsub(x, n)
+    # Horner with FMA: p = 1 + f*(c1 + f*(c2 + ...))
+    coeffs = _EXP2_POLY[dtype]
+    p = _const(llvec, coeffs[-1])
+    for c in reversed((1.0,) + coeffs[:-1]):
+        p = _call(builder, "fma", p, f, _const(llvec, c))
+    # 2**n from its bits: n + 1.5*2**mbits is exact and carries n in its low mantissa bits;
+    # shifting them into the exponent field drops the rest. This sidesteps fptosi, which is
+    # poison for NaN. The biased exponent is 0 for n = -bias (giving +0.0) and all ones for
+    # n = bias + 1 (giving +inf).
+    shifted = builder.fadd(n, _const(llvec, 1.5 * 2.0 ** mbits))
+    exponent = builder.shl(builder.bitcast(shifted, ivec), _const(ivec, mbits))
+    scale = builder.bitcast(builder.add(exponent, _const(ivec, bias << mbits)), llvec)
+    return builder.fmul(p, scale)
+
+
+@intrinsic
+def vexp2(typingctx, vec):
+    """2**x lane by lane: clamp, round, a polynomial with FMA, then scale by 2**n.
+
+    About 15 vector instructions for float32 (degree-6 polynomial), 20 for float64 (degree 11).
+    Max relative error, measured over exhaustive float32 ranges and 4e7 random float64 inputs
+    against `np.exp2` in float64 (for float64: long double): 8.4e-8 for float32 (1.4 ulp) and
+    1.6e-16 for float64 (0.7 ulp). That holds for x in [-b + 1, b + 1/2), with b = 127 (float32)
+    or 1023 (float64). Below, the result goes subnormal for x in [-b + 1/2, -b + 1), then is
+    exactly +0.0 (no further gradual underflow). From b + 1/2 on it is +inf, a little early:
+    the true value is finite up to b + 1. Exact: exp2(0) == exp2(-0.0) == 1, exp2(-inf) == 0,
+    exp2(+inf) == +inf, and exp2(NaN) is NaN.
+    """
+    _same_vec(vec)
+    return vec(vec), lambda context, builder, sig, args: _exp2(builder, args[0], vec.dtype)

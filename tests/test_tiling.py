@@ -1,0 +1,77 @@
+"""The tile chooser against fake caches, and the machine reader against a fake sysfs."""
+
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import tiling
+
+KiB, MiB = 1024, 1024 * 1024
+CACHES = {
+    "xeon": {"l1d": 48 * KiB, "l2": 2 * MiB},
+    "epyc9654": {"l1d": 32 * KiB, "l2": 1 * MiB},
+    "laptop": {"l1d": 32 * KiB, "l2": 256 * KiB},
+}
+HEAD_DIMS = [1, 40, 59, 64, 111, 128, 256, 512]
+
+
+@pytest.mark.parametrize("machine", CACHES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_working_set_fits(machine, d, dtype):
+    cache = CACHES[machine]
+    tiles = cpuflash.choose_tiles(d, dtype, cache=cache)
+    l1, l2 = tiling.working_set_bytes(tiles, d, dtype)
+    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.ROW_GROUP == 0
+    at_minimum = tiles.block_k == tiling.KEY_PANEL
+    assert l1 <= tiling.L1_SHARE * cache["l1d"] or at_minimum
+    assert l2 <= tiling.L2_SHARE * cache["l2"] or (at_minimum and tiles.block_q == tiling.ROW_GROUP)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_larger_cache_never_gives_smaller_tiles(d):
+    sizes = [16 * KiB, 32 * KiB, 48 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 32 * MiB]
+    previous = None
+    for l1 in sizes[:4]:
+        for l2 in sizes[3:]:
+            tiles = cpuflash.choose_tiles(d, cache={"l1d": l1, "l2": l2})
+            bigger_l2 = cpuflash.choose_tiles(d, cache={"l1d": l1, "l2": 2 * l2})
+            bigger_l1 = cpuflash.choose_tiles(d, cache={"l1d": 2 * l1, "l2": l2})
+            assert bigger_l2.block_q >= tiles.block_q and bigger_l2.block_k >= tiles.block_k
+            assert bigger_l1.block_k >= tiles.block_k
+            previous = tiles
+    assert previous is not None
+
+
+def test_measured_region_on_this_kind_of_xeon():
+    """The sweep in the README found 192-256 rows x 64 keys best at D=128, 128 keys at D=64."""
+    assert cpuflash.choose_tiles(128, cache=CACHES["xeon"]) == cpuflash.TileConfig(256, 64)
+    assert cpuflash.choose_tiles(64, cache=CACHES["xeon"]) == cpuflash.TileConfig(256, 128)
+
+
+def test_tiles_shrink_to_feed_every_thread():
+    tiles = cpuflash.TileConfig(256, 64)
+    assert tiling.split_for_threads(tiles, 4096, 8, 2) == tiles
+    small = tiling.split_for_threads(tiles, 256, 1, 4)
+    assert small.block_q == 32 and small.block_k == 64
+
+
+def test_sysfs_reader(tmp_path):
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"),
+                                                 (2, "Unified", "2048K"), (3, "Unified", "105M")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(f"{level}\n")
+        (folder / "type").write_text(f"{kind}\n")
+        (folder / "size").write_text(f"{size}\n")
+    assert tiling._read_sysfs_caches(str(tmp_path)) == {
+        "l1d": 48 * KiB, "l2": 2 * MiB, "l3": 105 * MiB}
+    assert tiling._read_sysfs_caches(str(tmp_path / "missing")) == {}
+
+
+def test_cpu_info_reports_the_machine():
+    info = cpuflash.cpu_info()
+    assert set(info["caches"]) == {"l1d", "l2", "l3"}
+    assert all(size > 0 for size in info["caches"].values())
+    assert info["cores"] >= 1 and info["threads"] >= 1
+    assert isinstance(info["simd"], list) and isinstance(info["model"], str)
