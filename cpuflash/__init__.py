@@ -4,8 +4,12 @@
 ``Nq x Nk`` score matrix. See the README and ``help(cpuflash.attention)``.
 """
 
-from .api import attention
-from .tiling import TileConfig, choose_tiles, cpu_info
+from ._threads import choose_threading_layer
+
+choose_threading_layer()
+
+from .api import attention  # noqa: E402
+from .tiling import TileConfig, choose_tiles, cpu_info  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -122,3 +122,38 @@ def test_everything_at_once(rng, layout, dtype):
     out, lse = cpuflash.attention(q, k, v, layout=layout, return_lse=True, tiles=(48, 64),
                                   **kwargs)
     assert_close_to_reference(out, q, k, v, lse=lse, layout=layout, **kwargs)
+
+
+def low_precision_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
+
+
+@pytest.mark.parametrize("which", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n_q,n_k,d", [(1, 239, 64), (113, 203, 59), (239, 113, 128)])
+def test_half_precision(rng, which, n_q, n_k, d):
+    dtype = next(t for t in low_precision_dtypes() if t.name == which)
+    q, k, v = random_qkv(rng, (2, 4, n_q, d), (2, 2, n_k, d), dtype=dtype)
+    kwargs = dict(causal=True, alibi_slopes=np.full(4, 0.05, np.float32), softcap=20.0)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **kwargs)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    # the plain implementation computes in the low precision itself
+    assert_close_to_reference(out, q, k, v, lse=lse, plain_dtype=dtype, **kwargs)
+
+
+def test_half_precision_rounds_to_nearest_and_keeps_specials(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    values = np.array([1.0, -2.5, 1e-3, 65504.0, np.inf, -np.inf, np.nan, 3.0e38], np.float32)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        # one key: the output is that key's value row, bit for bit
+        with np.errstate(over="ignore"):
+            v = values.astype(dtype).reshape(1, 1, 8)
+        q = np.ones((1, 1, 8), dtype)
+        out = cpuflash.attention(q, q, v)
+        np.testing.assert_array_equal(out.view(np.uint16), v.view(np.uint16))
+        # two keys with equal scores: the mean, computed in float32 and rounded to nearest even
+        v = rng.standard_normal((1, 2, 64)).astype(dtype)
+        q = np.zeros((1, 1, 64), dtype)
+        expected = v.astype(np.float32).mean(axis=1, keepdims=True).astype(dtype)
+        out = cpuflash.attention(q, q[:, [0, 0]], v)
+        np.testing.assert_array_equal(out.view(np.uint16), expected.view(np.uint16))

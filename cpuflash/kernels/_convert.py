@@ -17,12 +17,13 @@ FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
 
 @intrinsic
 def _bits_to_f32(typingctx, bits):
-    """Reinterpret uint32 bits as a float32."""
-    if bits != types.uint32:
-        raise TypingError("expected uint32")
+    """Reinterpret the low 32 bits of an unsigned integer as a float32."""
+    if not isinstance(bits, types.Integer) or bits.signed or bits.bitwidth < 32:
+        raise TypingError("expected an unsigned integer of at least 32 bits")
 
     def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32))
+                               if bits.bitwidth > 32 else args[0], ir.FloatType())
 
     return types.float32(bits), codegen
 
