@@ -8,9 +8,10 @@ from ._threads import choose_threading_layer
 
 choose_threading_layer()
 
-from .api import attention  # noqa: E402
+from .api import attention, attention_varlen, attention_with_kvcache, merge_states  # noqa: E402
 from .tiling import TileConfig, choose_tiles, cpu_info  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "TileConfig", "choose_tiles", "cpu_info", "__version__"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
+           "TileConfig", "choose_tiles", "cpu_info", "__version__"]

@@ -173,6 +173,47 @@ def broadcast_operand(name, x, lead, tail):
     return kernel_view(x4), np.ascontiguousarray(batch_map).reshape(-1)
 
 
+def head_dims(q4, k4, v4):
+    """Check the (..., heads, rows, dim) shapes of q, k, v against each other.
+
+    Returns ``(n_heads, n_kv_heads, n_q, n_k, d, d_v)``.
+    """
+    n_heads, n_q, d = q4.shape[-3:]
+    n_kv_heads, n_k, d_k = k4.shape[-3:]
+    n_v_heads, n_v, d_v = v4.shape[-3:]
+    if d_k != d:
+        _fail(ValueError, f"`k` has head dim {d_k} but `q` has {d}")
+    if d < 1 or d_v < 1:
+        _fail(ValueError, f"head dims must be >= 1, got {d} for `q` and {d_v} for `v`")
+    if n_v != n_k:
+        _fail(ValueError, f"`v` has {n_v} keys but `k` has {n_k}")
+    if n_v_heads != n_kv_heads:
+        _fail(ValueError, f"`v` has {n_v_heads} heads but `k` has {n_kv_heads}")
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        _fail(ValueError, f"the number of query heads ({n_heads}) must be a multiple of the "
+                          f"number of key/value heads ({n_kv_heads})")
+    return n_heads, n_kv_heads, n_q, n_k, d, d_v
+
+
+def alibi_value(alibi_slopes, lead, n_heads, dtype):
+    """ALiBi slopes as a (batch, heads) array (stride 0 over the batch for (Hq,) slopes);
+    a (batch, 0) array when there are none."""
+    batch = math.prod(lead)
+    if alibi_slopes is None:
+        return np.zeros((batch, 0), dtype=dtype)
+    alibi = float_operand("alibi_slopes", alibi_slopes, dtype)
+    exact_shape("alibi_slopes", alibi, [(n_heads,), tuple(lead) + (n_heads,)])
+    return np.broadcast_to(alibi, tuple(lead) + (n_heads,)).reshape(batch, n_heads)
+
+
+def sinks_value(sinks, n_heads, dtype):
+    if sinks is None:
+        return np.zeros(0, dtype=dtype)
+    sinks = float_operand("sinks", sinks, dtype)
+    exact_shape("sinks", sinks, [(n_heads,)])
+    return sinks
+
+
 class AttentionCall:
     """One validated `attention` call: the kernel's arrays and how to hand the result back."""
 
@@ -227,20 +268,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
                               f"shapes {q.shape}, {k.shape}, {v.shape}")
         q4, k4, v4 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))
     batch = math.prod(lead)
-    n_heads, n_q, d = q4.shape[-3:]
-    n_kv_heads, n_k, d_k = k4.shape[-3:]
-    n_v_heads, n_v, d_v = v4.shape[-3:]
-    if d_k != d:
-        _fail(ValueError, f"`k` has head dim {d_k} but `q` has {d}")
-    if d < 1 or d_v < 1:
-        _fail(ValueError, f"head dims must be >= 1, got {d} for `q` and {d_v} for `v`")
-    if n_v != n_k:
-        _fail(ValueError, f"`v` has {n_v} keys but `k` has {n_k}")
-    if n_v_heads != n_kv_heads:
-        _fail(ValueError, f"`v` has {n_v_heads} heads but `k` has {n_kv_heads}")
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
-        _fail(ValueError, f"the number of query heads ({n_heads}) must be a multiple of the "
-                          f"number of key/value heads ({n_kv_heads})")
+    n_heads, n_kv_heads, n_q, n_k, d, d_v = head_dims(q4, k4, v4)
     q4, k4, v4 = (x.reshape((batch,) + x.shape[-3:]) for x in (q4, k4, v4))
 
     # -- scalars
@@ -251,11 +279,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
 
     # -- score modifiers
     no_batch = np.zeros(batch, dtype=np.int64)
-    alibi = np.zeros((batch, 0), dtype=cdtype)
-    if alibi_slopes is not None:
-        alibi = float_operand("alibi_slopes", alibi_slopes, cdtype)
-        exact_shape("alibi_slopes", alibi, [(n_heads,), tuple(lead) + (n_heads,)])
-        alibi = np.broadcast_to(alibi, tuple(lead) + (n_heads,)).reshape(batch, n_heads)
+    alibi = alibi_value(alibi_slopes, lead, n_heads, cdtype)
     scores = (n_heads, n_q, n_k)
     bias4, bias_map = np.zeros((0, 0, 0, 0), dtype=cdtype), no_batch
     if bias is not None:
@@ -268,10 +292,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
             _fail(TypeError, f"`mask` must be a boolean array (True = the key takes part), "
                              f"got dtype {mask.dtype}")
         mask4, mask_map = broadcast_operand("mask", mask, lead, scores)
-    sinks_arr = np.zeros(0, dtype=cdtype)
-    if sinks is not None:
-        sinks_arr = float_operand("sinks", sinks, cdtype)
-        exact_shape("sinks", sinks_arr, [(n_heads,)])
+    sinks_arr = sinks_value(sinks, n_heads, cdtype)
 
     # -- output: the user's shape, and the (B, Hq, Nq, Dv) view the kernel writes
     if layout == "bshd":
@@ -321,3 +342,210 @@ def out_value(out, shape, dtype, inputs):
     if any(np.may_share_memory(out, x) for x in inputs):
         return np.empty(shape, dtype=dtype)  # written, then copied over the inputs it aliases
     return out
+
+
+def _no_operand(batch, dtype):
+    """The empty bias/mask operands of calls that take none (varlen, KV cache)."""
+    no_batch = np.zeros(batch, dtype=np.int64)
+    return dict(bias=np.zeros((0, 0, 0, 0), dtype=dtype), bias_map=no_batch,
+                mask=np.zeros((0, 0, 0, 0), dtype=np.bool_), mask_map=no_batch)
+
+
+def cu_seqlens_value(name, cu, total, n_seqs=None):
+    """Cumulative sequence lengths: 1-D ints, starting at 0, non-decreasing, ending at `total`."""
+    cu = int_array(name, cu)
+    if cu.ndim != 1 or cu.size < 1:
+        _fail(ValueError, f"`{name}` must be 1-D with batch + 1 entries, got shape {cu.shape}")
+    if n_seqs is not None and cu.size != n_seqs + 1:
+        _fail(ValueError, f"`{name}` has {cu.size} entries but `cu_seqlens_q` has {n_seqs + 1}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0:
+        _fail(ValueError, f"`{name}` must start at 0, got {cu[0]}")
+    if np.any(np.diff(cu) < 0):
+        at = int(np.argmax(np.diff(cu) < 0))
+        _fail(ValueError, f"`{name}` must be non-decreasing, got {cu[at]} then {cu[at + 1]} "
+                          f"at index {at}")
+    if cu[-1] != total:
+        _fail(ValueError, f"`{name}` must end at the number of rows ({total}), got {cu[-1]}")
+    return cu
+
+
+def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, softcap,
+                alibi_slopes, return_lse):
+    """Validate `cpuflash.attention_varlen` and build the kernel's view of packed tokens."""
+    q, k, v = as_array("q", q), as_array("k", k), as_array("v", v)
+    dtype = input_dtype(q, k, v)
+    cdtype = compute_dtype(dtype)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            _fail(ValueError, f"`{name}` must be 3-D (total_tokens, heads, dim), "
+                              f"got shape {x.shape}")
+    causal = flag("causal", causal)
+    flag("return_lse", return_lse)
+    # (total, H, D) -> (1, H, total, D): a view, sequences are row ranges of the one "batch"
+    q4, k4, v4 = (np.swapaxes(x, 0, 1)[None] for x in (q, k, v))
+    n_heads, n_kv_heads, total_q, total_k, d, d_v = head_dims(q4, k4, v4)
+    cu_q = cu_seqlens_value("cu_seqlens_q", cu_seqlens_q, total_q)
+    cu_k = cu_seqlens_value("cu_seqlens_k", cu_seqlens_k, total_k, n_seqs=cu_q.size - 1)
+    n_seqs = cu_q.size - 1
+    qk_scale = scale_value(scale, d)
+    left, right = window_value(window, causal)
+    softcap = softcap_value(softcap)
+    alibi = alibi_value(alibi_slopes, (n_seqs,), n_heads, cdtype)
+
+    out_user = np.empty((total_q, n_heads, d_v), dtype=dtype)
+    return AttentionCall(
+        q=kernel_view(q4), k=kernel_view(k4), v=kernel_view(v4),
+        out_kernel=kernel_view(np.swapaxes(out_user, 0, 1)[None]),
+        dtype=dtype, compute_dtype=cdtype, half_kind=half_kind(dtype),
+        lse=np.empty((1, n_heads, total_q), dtype=cdtype), lse_shape=(n_heads, total_q),
+        out_user=out_user, copy_back=None, cu_q=cu_q, cu_k=cu_k,
+        batch=n_seqs, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=total_q, n_k=total_k,
+        head_dim=d, head_dim_v=d_v, qk_scale=qk_scale, causal=causal, window=(left, right),
+        softcap=softcap, alibi=alibi, sinks=np.zeros(0, dtype=cdtype), tiles=None,
+        **_no_operand(n_seqs, cdtype))
+
+
+def int_array(name, x):
+    """A small integer array (lengths, page tables); lists of ints are welcome too."""
+    x = np.asarray(x) if isinstance(x, (list, tuple)) else as_array(name, x)
+    if x.dtype.kind not in "iu":
+        _fail(TypeError, f"`{name}` must be an integer array, got dtype {x.dtype}")
+    return x
+
+
+def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window, softcap,
+                 alibi_slopes, sinks, block_table, layout, num_splits, return_lse):
+    """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
+    checked, then written by `write_new_keys` once every check has passed."""
+    q = as_array("q", q)
+    k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
+    if (k is None) != (v is None):
+        _fail(ValueError, "`k` and `v` must be given together (new keys and their values), "
+                          f"got `k` {'None' if k is None else 'an array'} and "
+                          f"`v` {'None' if v is None else 'an array'}")
+    has_new = k is not None
+    if has_new:
+        k, v = as_array("k", k), as_array("v", v)
+    dtype = input_dtype(q, k_cache, v_cache)
+    if has_new and not (k.dtype == v.dtype == dtype):
+        _fail(TypeError, f"`k` and `v` must have the dtype of the cache ({dtype}), got "
+                         f"{k.dtype} and {v.dtype}")
+    cdtype = compute_dtype(dtype)
+    if layout not in LAYOUTS:
+        _fail(ValueError, f"`layout` must be one of {LAYOUTS}, got {layout!r}")
+    causal = flag("causal", causal)
+    flag("return_lse", return_lse)
+    arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
+    arrays += [("k", k), ("v", v)] if has_new else []
+    for name, x in arrays:
+        if x.ndim != 4:
+            _fail(ValueError, f"`{name}` must be 4-D, got shape {x.shape}")
+    # everything to (batch or page, heads, rows, dim)
+    q4, kc4, vc4 = (np.swapaxes(x, 1, 2) if layout == "bshd" else x for x in (q, k_cache, v_cache))
+    batch = q4.shape[0]
+    n_heads, n_kv_heads, n_q, page_rows, d, d_v = head_dims(q4, kc4, vc4)
+    k4 = v4 = None
+    n_new = 0
+    if has_new:
+        k4, v4 = (np.swapaxes(x, 1, 2) if layout == "bshd" else x for x in (k, v))
+        if k4.shape != (batch, n_kv_heads, k4.shape[2], d) or \
+                v4.shape != (batch, n_kv_heads, k4.shape[2], d_v):
+            _fail(ValueError, f"`k` and `v` must be (batch, kv heads, new, dim) = "
+                              f"({batch}, {n_kv_heads}, n, {d}/{d_v}) in layout {layout!r}, "
+                              f"got {k.shape} and {v.shape}")
+        n_new = k4.shape[2]
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not cache.flags.writeable:
+                _fail(ValueError, f"`{name}` is read-only but new keys `k`/`v` must be "
+                                  "written into it")
+
+    # -- pages: an unpaged cache is one page of Nmax rows per batch entry
+    if block_table is None:
+        if kc4.shape[0] != batch:
+            _fail(ValueError, f"`k_cache` has batch {kc4.shape[0]} but `q` has {batch}")
+        table = np.arange(batch, dtype=np.int64)[:, None]
+    else:
+        table = int_array("block_table", block_table)
+        if table.ndim != 2 or table.shape[0] != batch:
+            _fail(ValueError, f"`block_table` must have shape (batch={batch}, max_pages), got "
+                              f"{table.shape}")
+        table = table.astype(np.int64)
+    n_max = table.shape[1] * page_rows
+
+    # -- lengths
+    if cache_seqlens is None:
+        seqlens = np.full(batch, n_max - n_new, dtype=np.int64)
+    else:
+        if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+            cache_seqlens = np.full(batch, cache_seqlens)
+        seqlens = int_array("cache_seqlens", cache_seqlens)
+        if seqlens.shape != (batch,):
+            _fail(ValueError, f"`cache_seqlens` must have shape ({batch},), got {seqlens.shape}")
+        seqlens = seqlens.astype(np.int64)
+    if np.any(seqlens < 0) or np.any(seqlens > n_max - n_new):
+        _fail(ValueError, f"`cache_seqlens` must lie in [0, {n_max - n_new}] (cache length "
+                          f"{n_max} minus {n_new} new keys), got {seqlens.tolist()}")
+    n_keys = seqlens + n_new
+    if block_table is not None:
+        used = np.arange(table.shape[1])[None, :] * page_rows < n_keys[:, None]
+        if np.any((table < 0) & used) or np.any((table >= kc4.shape[0]) & used):
+            _fail(ValueError, f"`block_table` entries for the keys in use must lie in "
+                              f"[0, {kc4.shape[0]}) (the number of pages)")
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
+            or num_splits < 0:
+        _fail(ValueError, f"`num_splits` must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    qk_scale = scale_value(scale, d)
+    left, right = window_value(window, causal)
+    softcap = softcap_value(softcap)
+    alibi = alibi_value(alibi_slopes, (batch,), n_heads, cdtype)
+    sinks_arr = sinks_value(sinks, n_heads, cdtype)
+
+    if layout == "bshd":
+        out_user = np.empty((batch, n_q, n_heads, d_v), dtype=dtype)
+        out4 = np.swapaxes(out_user, 1, 2)
+    else:
+        out_user = out4 = np.empty((batch, n_heads, n_q, d_v), dtype=dtype)
+    return AttentionCall(
+        q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4), new_k=k4, new_v=v4,
+        k_cache_user=kc4, v_cache_user=vc4, out4=out4, out_kernel=kernel_view(out4),
+        dtype=dtype, compute_dtype=cdtype, half_kind=half_kind(dtype),
+        lse=np.empty((batch, n_heads, n_q), dtype=cdtype), lse_shape=(batch, n_heads, n_q),
+        out_user=out_user, copy_back=None, block_table=np.ascontiguousarray(table),
+        page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,
+        num_splits=int(num_splits), batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        n_q=n_q, n_k=int(n_keys.max(initial=0)), head_dim=d, head_dim_v=d_v,
+        qk_scale=qk_scale, causal=causal, window=(left, right), softcap=softcap, alibi=alibi,
+        sinks=sinks_arr, tiles=None, **_no_operand(batch, cdtype))
+
+
+def write_new_keys(call):
+    """Write the validated new keys and values into the cache (in place), then forget them."""
+    if call.new_k is None:
+        return
+    n_new = call.new_k.shape[2]
+    for b in range(call.batch):
+        positions = call.seqlens[b] + np.arange(n_new)
+        pages = call.block_table[b, positions // call.page_rows]
+        rows = positions % call.page_rows
+        # (new, heads, dim) <- (heads, new, dim)
+        call.k_cache_user[pages, :, rows, :] = np.swapaxes(call.new_k[b], 0, 1)
+        call.v_cache_user[pages, :, rows, :] = np.swapaxes(call.new_v[b], 0, 1)
+
+
+def merge_args(outs, lses):
+    """Validate `cpuflash.merge_states`: a stack of S partial outputs and their LSEs."""
+    outs = np.stack([as_array("outs", o) for o in outs]) if isinstance(outs, (list, tuple)) \
+        else as_array("outs", outs)
+    lses = np.stack([as_array("lses", x) for x in lses]) if isinstance(lses, (list, tuple)) \
+        else as_array("lses", lses)
+    for name, x in (("outs", outs), ("lses", lses)):
+        if x.dtype not in (np.float32, np.float64):
+            _fail(TypeError, f"`{name}` must be float32 or float64, got {x.dtype}")
+    if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
+        _fail(ValueError, f"`outs` must be (S, ..., Dv) and `lses` (S, ...) with the same "
+                          f"leading shape, got {outs.shape} and {lses.shape}")
+    if outs.shape[0] < 1:
+        _fail(ValueError, "`outs` must hold at least one partial result, got 0")
+    return outs, lses

@@ -4,6 +4,7 @@ import numba
 import numpy as np
 
 from . import _schedule, _validate, tiling
+from .kernels.decode import decode
 from .kernels.forward import fa2_forward
 
 
@@ -93,3 +94,163 @@ def _run_forward(call, seqs):
            tiles.block_q, tiles.block_k, call.qk_scale, call.softcap, left, right,
            call.half_kind, call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
            call.sinks)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                     window=None, softcap=0.0, alibi_slopes=None, return_lse=False):
+    """Attention over a batch of packed sequences of different lengths (flash-attn's "thd").
+
+    Parameters
+    ----------
+    q : (total_q, Hq, D) array
+        The queries of all sequences, one after the other.
+    k : (total_k, Hk, D) array
+    v : (total_k, Hk, Dv) array
+    cu_seqlens_q, cu_seqlens_k : (B + 1,) int arrays
+        Cumulative lengths: sequence ``b`` is rows ``cu[b]:cu[b+1]``; start at 0, never
+        decrease, end at ``total``. Empty sequences are allowed.
+    causal, scale, window, softcap : as in `attention`, aligned per sequence (bottom-right:
+        query ``i`` of sequence ``b`` sits over key ``i + Nk_b - Nq_b``).
+    alibi_slopes : (Hq,) or (B, Hq) float array, optional
+    return_lse : bool
+
+    Returns
+    -------
+    out : (total_q, Hq, Dv) array, the dtype of `q`
+    lse : (Hq, total_q) array, only with ``return_lse=True``
+
+    Work items are (sequence, head, query block): no work is spent on padding.
+    """
+    call = _validate.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                 scale=scale, window=window, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, return_lse=return_lse)
+    seqs = _schedule.varlen_table(call.cu_q, call.cu_k)
+    if call.n_q and call.batch:
+        _run_forward(call, seqs)
+    return call.result(return_lse)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
+                           causal=True, scale=None, window=None, softcap=0.0,
+                           alibi_slopes=None, sinks=None, block_table=None, layout="bhsd",
+                           num_splits=0, return_lse=False):
+    """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
+
+    Parameters
+    ----------
+    q : (B, Hq, Nq, D) array, or (B, Nq, Hq, D) with ``layout="bshd"``
+        The new queries; ``Nq`` is 1 when decoding one token.
+    k_cache, v_cache : (B, Hk, Nmax, D) and (B, Hk, Nmax, Dv) arrays
+        (``(B, Nmax, Hk, D)`` with ``"bshd"``). With `block_table`: a paged cache
+        ``(num_pages, Hk, page_size, D)`` (``(num_pages, page_size, Hk, D)`` with ``"bshd"``).
+    k, v : (B, Hk, Nnew, D) and (B, Hk, Nnew, Dv) arrays, optional
+        New keys and values, written into the cache in place at positions
+        ``cache_seqlens[b] : cache_seqlens[b] + Nnew`` (after every check has passed), then
+        attended to.
+    cache_seqlens : (B,) int array or int, optional
+        How many positions of each cache entry are filled; None means all ``Nmax``. Not changed:
+        the caller advances it. Batch ``b`` attends to its first ``cache_seqlens[b] + Nnew`` keys.
+    causal : bool
+        Bottom-right aligned per batch entry: query ``i`` sees keys
+        ``j <= i + cache_seqlens[b] + Nnew - Nq``. True by default, as in flash-attn.
+    scale, window, softcap, alibi_slopes, sinks, layout : as in `attention`.
+    block_table : (B, max_pages) int array, optional
+        Paged cache: position ``p`` of batch ``b`` is row ``p % page_size`` of page
+        ``block_table[b, p // page_size]``.
+    num_splits : int
+        0 chooses from the work and the thread count; ``n > 1`` splits each sequence's keys into
+        n ranges processed in parallel and merged exactly. Results for a given `num_splits` do
+        not depend on the thread count.
+    return_lse : bool
+
+    Returns
+    -------
+    out : (B, Hq, Nq, Dv) array (``(B, Nq, Hq, Dv)`` with ``"bshd"``), the dtype of `q`
+    lse : (B, Hq, Nq) array, only with ``return_lse=True``
+    """
+    call = _validate.kvcache_args(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
+        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_table=block_table, layout=layout, num_splits=num_splits, return_lse=return_lse)
+    _validate.write_new_keys(call)
+    if not (call.n_q and call.batch):
+        call.out_kernel[...] = 0
+        call.lse[...] = -np.inf
+        return call.result(return_lse)
+    group = call.n_heads // call.n_kv_heads
+    if group * call.n_q <= tiling.DECODE_MAX_ROWS:
+        _run_decode(call)
+    else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
+        if call.paged:
+            call.k, call.v = _gather_pages(call)
+        seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
+        seqs[:, 5] = call.n_keys
+        _run_forward(call, seqs)
+    return call.result(return_lse)
+
+
+def merge_states(outs, lses):
+    """Exact merge of partial attention results over disjoint sets of keys.
+
+    Parameters
+    ----------
+    outs : (S, ..., Dv) array, or a sequence of S arrays (..., Dv)
+        Normalized partial outputs, each over its own keys (float32 or float64).
+    lses : (S, ...) array, or a sequence of S arrays
+        Their log-sum-exps; ``-inf`` marks a part that saw no key (its output is ignored).
+
+    Returns
+    -------
+    out : (..., Dv) array
+        ``sum_s exp(lse_s - lse) * out_s``: the attention output over the union of the keys.
+    lse : (...) array
+        ``log(sum_s exp(lse_s))``; ``-inf`` (and output 0) where no part saw a key.
+    """
+    outs, lses = _validate.merge_args(outs, lses)
+    top = lses.max(axis=0)
+    shift = np.where(top == -np.inf, 0, top)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weights = np.exp(lses - shift)
+        total = weights.sum(axis=0)
+        lse = shift + np.log(total)
+        out = np.einsum("s...,s...d->...d", weights, np.where(weights[..., None] > 0, outs, 0))
+        out = np.where(total[..., None] != 0, out / total[..., None], 0)
+    return out.astype(outs.dtype), lse.astype(lses.dtype)
+
+
+def _run_decode(call):
+    """Split-KV streaming decode, then the exact merge of the splits (and the sinks)."""
+    plan = tiling.decode_plan(call.n_k, call.batch * call.n_kv_heads, numba.get_num_threads(),
+                              call.head_dim, call.compute_dtype, call.num_splits)
+    part_out = np.empty((plan.n_splits, call.batch, call.n_heads, call.n_q, call.head_dim_v),
+                        dtype=call.compute_dtype)
+    part_lse = np.empty(part_out.shape[:-1], dtype=call.compute_dtype)
+    left, right = call.window
+    kernel = decode.specialize((call.q.dtype, call.compute_dtype))
+    kernel(call.q, call.k, call.v, call.block_table, call.page_rows, call.n_keys, plan.split_len,
+           plan.block_k, call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi,
+           part_out, part_lse)
+    out, lse = merge_states(part_out, part_lse) if plan.n_splits > 1 else (part_out[0],
+                                                                              part_lse[0])
+    if call.sinks.size:
+        sink = call.sinks[None, :, None]
+        with_sink = np.logaddexp(lse, sink)
+        out = out * np.exp(lse - with_sink)[..., None]
+        lse = with_sink
+    call.lse[...] = lse
+    call.out4[...] = out  # rounds to a half-precision output dtype here
+
+
+def _gather_pages(call):
+    """The first n_keys[b] keys and values of each batch entry, copied out of their pages."""
+    n_max = int(call.n_keys.max())
+    gathered = []
+    for cache in (call.k_cache_user, call.v_cache_user):
+        dense = np.zeros((call.batch, cache.shape[1], n_max, cache.shape[3]), dtype=cache.dtype)
+        for b in range(call.batch):
+            positions = np.arange(call.n_keys[b])
+            pages = call.block_table[b, positions // call.page_rows]
+            dense[b, :, :call.n_keys[b]] = np.swapaxes(cache[pages, :, positions % call.page_rows],
+                                                       0, 1)
+        gathered.append(_validate.kernel_view(dense))
+    return gathered

@@ -206,3 +206,48 @@ def cpu_info():
         "cores": cores,
         "threads": numba.get_num_threads(),
     }
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+# Query rows (heads of a GQA group x query rows) up to which the streaming decode kernel beats
+# the packed FA-2 kernel: past this a key block is re-used by enough rows to be worth packing.
+DECODE_MAX_ROWS = 16
+# A split shorter than this spends more on merging and per-item set-up than it gains.
+MIN_SPLIT_KEYS = 512
+MAX_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How `attention_with_kvcache` runs: `n_splits` key ranges of `split_len` keys per
+    (batch, kv head), streamed `block_k` keys at a time."""
+
+    n_splits: int
+    split_len: int
+    block_k: int
+
+
+def decode_plan(n_keys, n_items, n_threads, head_dim, dtype=np.float32, num_splits=0,
+                cache=None):
+    """Split-KV plan for `n_items` (batch x kv head) work items over up to `n_keys` keys.
+
+    With ``num_splits=0`` the keys are split only when the items alone cannot keep every thread
+    busy twice over, into ranges of at least `MIN_SPLIT_KEYS` keys; a given `num_splits` is
+    used as is (capped at one split per key block). `block_k` comes from the same L1 rule as
+    `choose_tiles`: a block of key and value rows stays in L1 while its group of query rows
+    uses it.
+    """
+    block_k = choose_tiles(head_dim, dtype, cache=cache).block_k
+    n_keys = max(1, int(n_keys))
+    if num_splits:
+        n_splits = num_splits
+    elif n_items >= 2 * n_threads:
+        n_splits = 1
+    else:
+        wanted = -(-2 * n_threads // max(1, n_items))
+        n_splits = max(1, min(wanted, n_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    n_splits = max(1, min(n_splits, -(-n_keys // block_k)))
+    split_len = -(-n_keys // n_splits)
+    split_len = -(-split_len // block_k) * block_k
+    return DecodePlan(n_splits, split_len, block_k)

@@ -10,9 +10,10 @@ algorithm.
 Scores are kept in base 2: `scale * log2(e)` is folded into the packed queries, so the softmax
 is `exp2(s - max)`, and the log-sum-exp is converted back to natural log at the end.
 
-Sequences are described by a table so that batched input and packed (varlen) input share this
-kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and sequence
-``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and ``k[batch_k, :, k_start:k_start+n_k]``.
+Sequences are described by a table so that batched input, packed (varlen) input and KV caches
+share this kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and
+sequence ``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and ``k[batch_k, :, k_start:k_start+n_k]``.
+Per-sequence operands (ALiBi slopes, the rows of bias and mask) are indexed by ``s``.
 """
 
 import numpy as np
@@ -65,7 +66,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
-            slope = alibi[bq, h] * LOG2E if has_alibi else 0.0
+            slope = alibi[seq, h] * LOG2E if has_alibi else 0.0
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
@@ -81,7 +82,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 if has_alibi:
                     _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb)
                 if has_bias:
-                    _steps.add_tile(scores, bias, bias_map[bq], h, q0, kb, rows, cols, LOG2E)
+                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, LOG2E)
 
                 # -- visibility: only blocks that cross a band edge pay for element masks
                 inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
@@ -89,7 +90,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 if not inside:
                     _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right)
                 if has_mask:
-                    _steps.bool_mask_tile(scores, mask, mask_map[bq], h, q0, kb, rows, cols)
+                    _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp2(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
