@@ -6,16 +6,88 @@ cache holds one entry per dtype and the first call stays fast. Compilation is la
 call with a given dtype) so that importing cpuflash costs nothing.
 """
 
+import hashlib
+import os
+import pathlib
+import tempfile
 import threading
 
 import numba
 from numba import types
+from numba.core import caching
 
 # `fastmath=True` would add `nnan`/`ninf`, letting LLVM assume no infinity exists: the kernels
 # mask scores with -inf, so only the flags that keep IEEE infinities are allowed.
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 
 OPTIONS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False, fastmath=FASTMATH)
+
+
+class _PackageCacheLocator(caching.InTreeCacheLocator):
+    """Numba cache entries of cpuflash functions, stamped with the whole package's source.
+
+    Numba stamps a cached function with its own file only, but a kernel has the code of the
+    helpers it calls (other files) compiled into it: after an edit or an upgrade of
+    `_steps.py` alone, `forward.py`'s cached kernel would still run the old micro-kernels.
+    Stamping every entry with a hash of all the package's sources (and the Numba version)
+    makes any change invalidate every entry, wherever it is stored: `NUMBA_CACHE_DIR` if set,
+    else the package's `__pycache__`, else (a read-only install) Numba's user-wide cache
+    directory, else the temporary directory.
+    """
+
+    def __init__(self, py_func, py_file):
+        super().__init__(py_func, py_file)
+        subpath = self.get_suitable_cache_subpath(py_file)
+        candidates = [self._cache_path, os.path.join(_user_cache_root(), subpath),
+                      os.path.join(tempfile.gettempdir(), f"cpuflash-{os.getuid()}", subpath)]
+        if numba.config.CACHE_DIR:
+            candidates.insert(0, os.path.join(numba.config.CACHE_DIR, subpath))
+        self._cache_path = next((c for c in candidates if _writable(c)), candidates[-1])
+
+    def get_source_stamp(self):
+        return _package_stamp()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
+            return None  # not ours: Numba's own locators
+        return cls(py_func, py_file)
+
+
+_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
+_stamp = None
+
+
+def _package_stamp():
+    global _stamp
+    if _stamp is None:
+        digest = hashlib.sha256(numba.__version__.encode())
+        for path in sorted(pathlib.Path(_PACKAGE_DIR).rglob("*.py")):
+            digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
+            digest.update(path.read_bytes())
+        _stamp = digest.hexdigest()
+    return _stamp
+
+
+def _writable(path):
+    try:
+        os.makedirs(path, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+        return True
+    except OSError:
+        return False
+
+
+def _user_cache_root():
+    from numba.misc.appdirs import AppDirs
+
+    return AppDirs(appname="numba", appauthor=False).user_cache_dir
+
+
+# first in line: used for cpuflash's files, declines every other file
+_impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # renamed in Numba 0.6x
+if _PackageCacheLocator not in _impl._locator_classes:
+    _impl._locator_classes.insert(0, _PackageCacheLocator)
 
 
 def jit(func):
