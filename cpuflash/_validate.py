@@ -305,6 +305,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
     if out is None:
         out_user = np.empty(out_shape, dtype=dtype)
     else:
+        out = as_array("out", out)
         out_user = out_value(out, out_shape, dtype, (q, k, v))
         if out_user is not out:
             copy_back = out
@@ -330,9 +331,8 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
 
 
 def out_value(out, shape, dtype, inputs):
-    """Check a user's `out`; returns it, or a fresh array when it overlaps an input."""
-    if not isinstance(out, np.ndarray):
-        _fail(TypeError, f"`out` must be a numpy array, got {type(out).__name__}")
+    """Check a user's `out` (already through `as_array`: a torch CPU tensor is viewed, not
+    copied); returns it, or a fresh array when it overlaps an input."""
     if out.shape != shape:
         _fail(ValueError, f"`out` must have shape {shape}, got {out.shape}")
     if out.dtype != dtype:

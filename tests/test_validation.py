@@ -88,7 +88,7 @@ CASES = [
      r"`out` must have shape \(2, 4, 10, 6\), got \(2, 4, 10, 8\)"),
     ("out dtype", with_(out=np.empty((2, 4, 10, 6), np.float64)), TypeError,
      r"`out` must have dtype float32"),
-    ("out list", with_(out=[]), TypeError, r"`out` must be a numpy array, got list"),
+    ("out list", with_(out=[]), TypeError, r"`out` must be an array, got list"),
     ("out readonly", with_(out=readonly(np.empty((2, 4, 10, 6), f32))), ValueError,
      r"`out` must be writeable"),
     ("tiles zero", with_(tiles=(0, 16)), ValueError, r"`block_q` must be >= 1, got 0"),

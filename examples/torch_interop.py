@@ -1,0 +1,128 @@
+"""cpuflash with torch CPU tensors: no copies in or out, and a drop-in for torch's SDPA.
+
+`cpuflash.attention` takes anything `numpy.asarray` can view, so ``tensor.detach().numpy()``
+(``detach`` only when the tensor requires grad) hands torch memory over as is, and
+``torch.from_numpy`` (or ``out=tensor.numpy()``) hands the result back without a copy. `sdpa`
+below mirrors ``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors (forward only,
+no autograd) and is checked against torch on several cases. Exits 0 with a message without torch.
+
+    python examples/torch_interop.py
+    python examples/torch_interop.py --small   # used by the tests
+"""
+
+import argparse
+
+import numpy as np
+
+import cpuflash
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:
+    torch = None
+
+
+def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` for CPU tensors, by cpuflash.
+
+    Shapes are torch's: query ``(..., Hq, L, E)``, key ``(..., Hk, S, E)``, value
+    ``(..., Hk, S, Ev)``. A query row that sees no key gives 0 (torch >= 2.5 too; older torch NaN).
+    """
+    q, k, v = (t.detach().numpy() for t in (query, key, value))  # views of torch's memory
+    if q.shape[:-2] != k.shape[:-2] and not enable_gqa:
+        raise ValueError(f"query has shape {q.shape} and key {k.shape}: different head "
+                         "counts need enable_gqa=True (as in torch)")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal cannot both be set (as in torch)")
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    visibility = {}
+    if is_causal:
+        # torch aligns the diagonal top-left (key j visible to query i iff j <= i), cpuflash
+        # bottom-right (j <= i + n_k - n_q): they agree only when n_q == n_k.
+        if n_q == n_k:
+            visibility["causal"] = True
+        elif n_q > n_k:  # j <= i + (n_k - n_q) + right, with right = n_q - n_k >= 1
+            visibility["window"] = (-1, n_q - n_k)
+        else:  # right would be negative, which a window cannot express: an explicit mask
+            visibility["mask"] = np.tri(n_q, n_k, dtype=bool)
+    elif attn_mask is not None:
+        mask = attn_mask.detach().numpy()
+        # torch: a boolean mask selects the keys that take part, a float mask is added
+        visibility["mask" if mask.dtype == np.bool_ else "bias"] = mask
+    return torch.from_numpy(cpuflash.attention(q, k, v, scale=scale, **visibility))
+
+
+def show_zero_copy(n, d):
+    """Tensors in, tensor out, and check by address that nothing was copied on the way."""
+    q_t, k_t, v_t = (torch.randn(2, 4, n, d, requires_grad=True) for _ in range(3))
+    q, k, v = (t.detach().numpy() for t in (q_t, k_t, v_t))
+    shared_in = all(a.ctypes.data == t.data_ptr() for a, t in ((q, q_t), (k, k_t), (v, v_t)))
+
+    result = cpuflash.attention(q, k, v, causal=True)
+    out_t = torch.from_numpy(result)  # shares memory with `result`
+    buffer_t = torch.empty(2, 4, n, d)  # or write straight into a preallocated torch tensor
+    written = cpuflash.attention(q, k, v, causal=True, out=buffer_t.numpy())
+    shared_out = (out_t.data_ptr() == result.ctypes.data
+                  and written.ctypes.data == buffer_t.data_ptr())
+    print(f"no copy in: {shared_in}, no copy out: {shared_out}, "
+          f"results equal: {torch.equal(out_t, buffer_t)}")
+    return shared_in and shared_out and torch.equal(out_t, buffer_t)
+
+
+def compare_with_torch(name, q, k, v, **kwargs):
+    """cpuflash's error vs torch float64 must be at most 2x torch float32's, on live rows."""
+    ours = sdpa(q, k, v, **kwargs)
+    theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    mask = kwargs.get("attn_mask")
+    float_mask = mask is not None and mask.is_floating_point()
+    kwargs64 = dict(kwargs, attn_mask=mask.double()) if float_mask else kwargs
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs64)
+    # rows that see no key: cpuflash gives 0, torch 0 (>= 2.5) or NaN (older)
+    dead = torch.zeros(ours.shape[:-1], dtype=torch.bool)
+    if mask is not None:
+        dead |= torch.isneginf(mask).all(-1) if float_mask else ~mask.any(-1)
+    err = (ours - exact)[~dead].abs().max().item()
+    torch_err = (theirs - exact)[~dead].abs().max().item()
+    ok = err <= 2 * torch_err + 1e-6
+    note = f", {int(dead.sum())} rows without keys left out" if dead.any() else ""
+    if dead.any():
+        note += f" (torch gives {'NaN' if theirs[dead].isnan().any() else '0'} there)"
+    print(f"  {name:<20} max error {err:.1e} (torch float32 {torch_err:.1e}){note}  "
+          f"{'OK' if ok else 'FAILED'}")
+    return ok
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny sizes (for CI)")
+    args = parser.parse_args(argv)
+    if torch is None:
+        print("torch is not installed: nothing to show (pip install torch)")
+        return
+    n, d = (128, 32) if args.small else (1024, 64)
+    torch.manual_seed(0)
+    ok = show_zero_copy(n, d)
+
+    def qkv(n_q, n_k, heads_q=4, heads_k=4):
+        return (torch.randn(2, heads_q, n_q, d), torch.randn(2, heads_k, n_k, d),
+                torch.randn(2, heads_k, n_k, d))
+
+    bool_mask = torch.rand(2, 1, n, n) < 0.3
+    bool_mask[:, :, 0] = False  # a row with no key at all
+    float_mask = torch.randn(n, n).masked_fill(torch.rand(n, n) < 0.5, float("-inf"))
+    print(f"sdpa() vs torch.nn.functional.scaled_dot_product_attention, D={d}:")
+    ok &= compare_with_torch("Nq == Nk, is_causal", *qkv(n, n), is_causal=True)
+    ok &= compare_with_torch("Nq < Nk, is_causal", *qkv(n // 4, n), is_causal=True)
+    ok &= compare_with_torch("Nq > Nk, is_causal", *qkv(n, n // 2), is_causal=True)
+    ok &= compare_with_torch("bool mask", *qkv(n, n), attn_mask=bool_mask)
+    ok &= compare_with_torch("float mask", *qkv(n, n), attn_mask=float_mask)
+    ok &= compare_with_torch("GQA 8:2, is_causal", *qkv(n, n, 8, 2), is_causal=True,
+                             enable_gqa=True)
+    if not ok:
+        raise SystemExit("FAILED")
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
