@@ -24,13 +24,14 @@ OPTIONS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False, f
 
 
 class _PackageCacheLocator(caching.InTreeCacheLocator):
-    """Numba cache entries of cpuflash functions, stamped with the whole package's source.
+    """Numba cache entries of cpuflash functions, stamped with all of the kernels' sources.
 
     Numba stamps a cached function with its own file only, but a kernel has the code of the
     helpers it calls (other files) compiled into it: after an edit or an upgrade of
     `_steps.py` alone, `forward.py`'s cached kernel would still run the old micro-kernels.
-    Stamping every entry with a hash of all the package's sources (and the Numba version)
-    makes any change invalidate every entry, wherever it is stored: `NUMBA_CACHE_DIR` if set,
+    Stamping every entry with a hash of all the sources that kernels are compiled from
+    (`kernels/`, `_simd.py`, this file) and the Numba version makes any change to them
+    invalidate every entry, wherever it is stored: `NUMBA_CACHE_DIR` if set,
     else the package's `__pycache__`, else (a read-only install) Numba's user-wide cache
     directory, else the temporary directory.
     """
@@ -55,6 +56,9 @@ class _PackageCacheLocator(caching.InTreeCacheLocator):
 
 
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
+# the files whose code is compiled into kernels (what the stamp must cover)
+_COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name) for name in ("_jit.py", "_simd.py")]
+_COMPILED_SOURCES += pathlib.Path(_PACKAGE_DIR, "kernels").glob("*.py")
 _stamp = None
 
 
@@ -62,7 +66,7 @@ def _package_stamp():
     global _stamp
     if _stamp is None:
         digest = hashlib.sha256(numba.__version__.encode())
-        for path in sorted(pathlib.Path(_PACKAGE_DIR).rglob("*.py")):
+        for path in sorted(_COMPILED_SOURCES):
             digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
             digest.update(path.read_bytes())
         _stamp = digest.hexdigest()

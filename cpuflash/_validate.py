@@ -44,16 +44,16 @@ def as_array(name, x):
                          f"got {type(x).__name__}: {exc}")
 
 
-def input_dtype(q, k, v):
+def input_dtype(q, k, v, names=("q", "k", "v")):
     """The shared dtype of q, k, v; a TypeError naming the dtypes otherwise."""
     dtypes = (q.dtype, k.dtype, v.dtype)
+    what = "`{}`, `{}` and `{}`".format(*names)
     if not (dtypes[0] == dtypes[1] == dtypes[2]):
-        _fail(TypeError, "`q`, `k` and `v` must share one dtype, got "
+        _fail(TypeError, f"{what} must share one dtype, got "
                          f"{dtypes[0]}, {dtypes[1]} and {dtypes[2]}")
     dtype = dtypes[0]
     if dtype not in (np.float32, np.float64, np.float16) and not _is_bfloat16(dtype):
-        _fail(TypeError, "`q`, `k` and `v` must be float32, float64, float16 or bfloat16, "
-                         f"got {dtype}")
+        _fail(TypeError, f"{what} must be float32, float64, float16 or bfloat16, got {dtype}")
     return dtype
 
 
@@ -427,7 +427,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     has_new = k is not None
     if has_new:
         k, v = as_array("k", k), as_array("v", v)
-    dtype = input_dtype(q, k_cache, v_cache)
+    dtype = input_dtype(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if has_new and not (k.dtype == v.dtype == dtype):
         _fail(TypeError, f"`k` and `v` must have the dtype of the cache ({dtype}), got "
                          f"{k.dtype} and {v.dtype}")
