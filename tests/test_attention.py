@@ -8,7 +8,7 @@ import pytest
 import cpuflash
 from cpuflash.reference import attention_reference
 
-from conftest import assert_close_to_reference, random_qkv
+from accuracy import assert_close_to_reference, random_qkv
 
 SEQLEN_PAIRS = [(1, 239), (3, 799), (127, 513), (113, 203), (1023, 1024)]
 SEQLEN_PAIRS += [(nk, nq) for nq, nk in SEQLEN_PAIRS]

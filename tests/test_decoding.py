@@ -6,7 +6,7 @@ import pytest
 import cpuflash
 from cpuflash.reference import attention_reference
 
-from conftest import assert_close_to_reference, random_qkv
+from accuracy import assert_close_to_reference, random_qkv
 
 
 def packed(rng, lens_q, lens_k, hq=4, hk=2, d=40, d_v=24, dtype=np.float32):

@@ -5,7 +5,7 @@ import pytest
 
 import cpuflash
 
-from conftest import assert_close_to_reference, random_qkv
+from accuracy import assert_close_to_reference, random_qkv
 
 SIZES = [(1, 239), (113, 203), (127, 127), (239, 113), (3, 70)]
 
