@@ -21,13 +21,14 @@ as well as the 32 of AVX-512).
 import math
 
 import numpy as np
+from numba import types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .. import _simd
-from .._jit import jit
-from .._simd import vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, vstore, \
-    vsub, vzeros, vadd
+from .._jit import OPTIONS, jit
+from .._simd import vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
+    vstore, vsub, vtanh, vzeros
 from ._convert import narrow, widen
 
 ROWS = 6  # query rows per micro-tile
@@ -160,12 +161,27 @@ def _store_or_add(scores, o, lo, hi, first):
     vstore(scores, o + n, hi)
 
 
-@jit
 def softcap_tile(scores, rows, cols, cap):
     """s = cap * tanh(s), on scores already divided by the softcap."""
-    for r in range(rows):
-        for c in range(cols):
-            scores[r, c] = cap * math.tanh(scores[r, c])
+
+
+@overload(softcap_tile, jit_options=OPTIONS)
+def _softcap_tile(scores, rows, cols, cap):
+    if scores.dtype == types.float32:  # vectorized tanh; the padding past `cols` is harmless
+        def vector_softcap(scores, rows, cols, cap):
+            n = lanes(scores)
+            cap_v = vsplat(cap, scores)
+            for r in range(rows):
+                base = r * scores.shape[1]
+                for c in range(0, cols, n):
+                    vstore(scores, base + c, vmul(cap_v, vtanh(vload(scores, base + c))))
+        return vector_softcap
+
+    def scalar_softcap(scores, rows, cols, cap):
+        for r in range(rows):
+            for c in range(cols):
+                scores[r, c] = cap * math.tanh(scores[r, c])
+    return scalar_softcap
 
 
 @jit
