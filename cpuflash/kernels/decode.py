@@ -22,7 +22,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from .._jit import OPTIONS, Kernel, array, jit
-from .._simd import vfma, vhsum, vload, vstore, vzeros
+from .._simd import prefetch, vfma, vhsum, vload, vstore, vzeros
 from . import _steps
 from ._convert import widen
 
@@ -57,18 +57,20 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         row_max = np.full(rows, -np.inf, dtype=part_lse.dtype)
         row_sum = np.zeros(rows, dtype=part_lse.dtype)
         alpha = np.empty(rows, dtype=part_lse.dtype)
+        offsets = np.empty(block_k, dtype=np.int64)
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half) * q_mult
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
-            # -- stream the block's key and value rows out of their pages
-            for c in range(cols):
-                page = block_table[b, (kb + c) // page_size]
-                row = (kb + c) % page_size
-                _copy_row(k_cache, page, hk, row, k_rows, c, half)
-                _copy_row(v_cache, page, hk, row, v_tile, c, half)
+            # -- stream the block's key and value rows out of their pages, and ask for the next
+            # block's while this one is computed on
+            _gather_rows(k_cache, block_table, b, hk, kb, cols, page_size, offsets, k_rows, half)
+            _gather_rows(v_cache, block_table, b, hk, kb, cols, page_size, offsets, v_tile, half)
+            ahead = min(block_k, k_hi - kb - cols)
+            _prefetch_rows(k_cache, block_table, b, hk, kb + cols, ahead, page_size, offsets)
+            _prefetch_rows(v_cache, block_table, b, hk, kb + cols, ahead, page_size, offsets)
 
             # -- S = Q K^T, one dot product along D per (row, key)
             _dot_rows(q_rows, k_rows, scores, rows, cols)
@@ -76,14 +78,16 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             # -- score modifiers and visibility, per row of the group
             if softcap > 0:
                 _steps.softcap_tile(scores, rows, cols, cap)
-            for r in range(rows):
-                diag = r % n_q + shift - kb  # block column under row r's diagonal
-                slope = alibi[b, hk * group + r // n_q] * LOG2E if has_alibi else 0.0
-                for c in range(cols):
-                    if (left >= 0 and c < diag - left) or (right >= 0 and c > diag + right):
-                        scores[r, c] = -np.inf
-                    elif has_alibi:
-                        scores[r, c] -= slope * abs(diag - c)
+            inside = ((left < 0 or kb >= n_q - 1 + shift - left)
+                      and (right < 0 or kb + cols - 1 <= shift + right))
+            if has_alibi or not inside:
+                for r in range(rows):
+                    diag = r % n_q + shift - kb  # block column under row r's diagonal
+                    if has_alibi:
+                        slope = alibi[b, hk * group + r // n_q] * LOG2E
+                        _steps.alibi_tile(scores[r:], 1, cols, slope, diag)
+                    if not inside:
+                        _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right)
 
             # -- online softmax and acc = alpha * acc + P V, as in the forward kernel
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
@@ -107,42 +111,96 @@ def _buffers(rows, block_k, d, dv, like):
             v_tile, scores, acc)
 
 
-def _copy_row(src, page, h, row, dst, c, half):
-    """dst[c, :n] = src[page, h, row, :], widened; vector copies where the row is contiguous."""
+@jit
+def _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets):
+    """offsets[c] = flat element offset of the cache row of position start + c (batch b,
+    head h), walking the pages without a division per row."""
+    page_stride = cache.strides[0] // cache.itemsize
+    row_stride = cache.strides[2] // cache.itemsize
+    head_offset = h * (cache.strides[1] // cache.itemsize)
+    index, row = start // page_size, start % page_size
+    offset = block_table[b, index] * page_stride + head_offset + row * row_stride
+    for c in range(cols):
+        offsets[c] = offset
+        row += 1
+        offset += row_stride
+        if row == page_size and c + 1 < cols:
+            index, row = index + 1, 0
+            offset = block_table[b, index] * page_stride + head_offset
 
 
-@overload(_copy_row, jit_options=OPTIONS)
-def _copy_row_impl(src, page, h, row, dst, c, half):
-    if not isinstance(src.dtype, types.Float):  # half-precision bits: widen one by one
-        def widen_row(src, page, h, row, dst, c, half):
-            for x in range(src.shape[3]):
-                dst[c, x] = widen(src[page, h, row, x], half)
-        return widen_row
+@jit
+def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half):
+    """The general gather: element by element, any strides, half-precision bits widened."""
+    for c in range(cols):
+        page = block_table[b, (start + c) // page_size]
+        for x in range(cache.shape[3]):
+            dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half)
 
-    def copy_row(src, page, h, row, dst, c, half):
-        n = src.shape[3]
-        if src.strides[3] != src.itemsize:
-            for x in range(n):
-                dst[c, x] = src[page, h, row, x]
+
+def _gather_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
+    """dst[c, :D] = the cache rows of positions start..start+cols of batch b, head h."""
+
+
+@overload(_gather_rows, jit_options=OPTIONS)
+def _gather_rows_impl(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
+    if not isinstance(cache.dtype, types.Float):  # half-precision bits
+        def widen_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
+            _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half)
+        return widen_rows
+
+    def copy_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
+        n = _steps.lanes(dst)
+        if cache.strides[3] != cache.itemsize or cache.shape[3] % n:
+            _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half)
             return
-        lanes = _steps.lanes(dst)
-        start = (page * src.strides[0] + h * src.strides[1] + row * src.strides[2]) \
-            // src.itemsize
-        whole = n - n % lanes
-        to = c * dst.shape[1]
-        for x in range(0, whole, lanes):
-            vstore(dst, to + x, vload(src, start + x))
-        for x in range(whole, n):
-            dst[c, x] = src[page, h, row, x]
-    return copy_row
+        _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets)
+        for c in range(cols):  # whole vectors straight from the contiguous rows
+            for x in range(0, cache.shape[3], n):
+                vstore(dst, c * dst.shape[1] + x, vload(cache, offsets[c] + x))
+    return copy_rows
+
+
+@jit
+def _prefetch_rows(cache, block_table, b, h, start, cols, page_size, offsets):
+    """Ask for the cache lines of the rows of positions start..start+cols."""
+    if cols <= 0 or cache.strides[3] != cache.itemsize:
+        return
+    line = max(1, 64 // cache.itemsize)
+    for c in range(cols):
+        page = block_table[b, (start + c) // page_size]
+        first = (page * cache.strides[0] + h * cache.strides[1]
+                 + ((start + c) % page_size) * cache.strides[2]) // cache.itemsize
+        for x in range(0, cache.shape[3], line):
+            prefetch(cache, first + x)
 
 
 @jit
 def _dot_rows(q_rows, k_rows, scores, rows, cols):
-    """scores[r, c] = q_rows[r] . k_rows[c]; rows are zero-padded to whole vectors."""
+    """scores[r, c] = q_rows[r] . k_rows[c]; rows are zero-padded to whole vectors.
+
+    Four keys at a time: four independent FMA chains per query row, one load of each query
+    vector for all four.
+    """
     n = _steps.lanes(q_rows)
     dp = q_rows.shape[1]
-    for c in range(cols):
+    c = 0
+    while c + 4 <= cols:
+        k0, k1, k2, k3 = c * dp, (c + 1) * dp, (c + 2) * dp, (c + 3) * dp
+        for r in range(rows):
+            s0 = s1 = s2 = s3 = vzeros(q_rows)
+            for x in range(0, dp, n):
+                qx = vload(q_rows, r * dp + x)
+                s0 = vfma(qx, vload(k_rows, k0 + x), s0)
+                s1 = vfma(qx, vload(k_rows, k1 + x), s1)
+                s2 = vfma(qx, vload(k_rows, k2 + x), s2)
+                s3 = vfma(qx, vload(k_rows, k3 + x), s3)
+            scores[r, c] = vhsum(s0)
+            scores[r, c + 1] = vhsum(s1)
+            scores[r, c + 2] = vhsum(s2)
+            scores[r, c + 3] = vhsum(s3)
+        c += 4
+    for c in range(c, cols):
         for r in range(rows):
             total = vzeros(q_rows)
             for x in range(0, dp, n):
