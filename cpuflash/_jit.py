@@ -17,8 +17,11 @@ from numba import types
 from numba.core import caching
 
 # `fastmath=True` would add `nnan`/`ninf`, letting LLVM assume no infinity exists: the kernels
-# mask scores with -inf, so only the flags that keep IEEE infinities are allowed.
-FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# mask scores with -inf, so only the flags that keep IEEE infinities are allowed. `reassoc` is
+# left out too: it lets LLVM split a sum into partial sums differently in the 6-row and the
+# 1-row micro-kernels, and then a row's bits depended on the tile it fell in (so on the thread
+# count). The SIMD code is explicit, so reassociation bought nothing.
+FASTMATH = {"nsz", "arcp", "contract", "afn"}
 
 OPTIONS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False, fastmath=FASTMATH)
 

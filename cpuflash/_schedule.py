@@ -34,7 +34,7 @@ def varlen_table(cu_q, cu_k):
     return seqs
 
 
-def work_items(seqs, n_heads, block_q, window):
+def work_items(seqs, n_heads, block_q, window, block_k=1):
     """All (sequence, head, first row) items and the number of query-key pairs each may see."""
     n_q, n_k = seqs[:, 2], seqs[:, 5]
     blocks = -(-n_q // block_q)
@@ -45,7 +45,7 @@ def work_items(seqs, n_heads, block_q, window):
     # the same key range the kernel computes for the tile
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
-    k_lo = np.maximum(0, diag0 - left) if left >= 0 else np.zeros_like(q0)
+    k_lo = np.maximum(0, diag0 - left) // block_k * block_k if left >= 0 else np.zeros_like(q0)
     k_hi = np.minimum(n_k[seq], diag0 + rows + right) if right >= 0 else n_k[seq]
     pairs = rows * np.maximum(0, k_hi - k_lo)
 

@@ -173,22 +173,24 @@ def broadcast_operand(name, x, lead, tail):
     return kernel_view(x4), np.ascontiguousarray(batch_map).reshape(-1)
 
 
-def head_dims(q4, k4, v4):
+def head_dims(q4, k4, v4, names=("q", "k", "v")):
     """Check the (..., heads, rows, dim) shapes of q, k, v against each other.
 
-    Returns ``(n_heads, n_kv_heads, n_q, n_k, d, d_v)``.
+    Returns ``(n_heads, n_kv_heads, n_q, n_k, d, d_v)``. `names` are the arguments' names in
+    the messages.
     """
+    q, k, v = names
     n_heads, n_q, d = q4.shape[-3:]
     n_kv_heads, n_k, d_k = k4.shape[-3:]
     n_v_heads, n_v, d_v = v4.shape[-3:]
     if d_k != d:
-        _fail(ValueError, f"`k` has head dim {d_k} but `q` has {d}")
+        _fail(ValueError, f"`{k}` has head dim {d_k} but `{q}` has {d}")
     if d < 1 or d_v < 1:
-        _fail(ValueError, f"head dims must be >= 1, got {d} for `q` and {d_v} for `v`")
+        _fail(ValueError, f"head dims must be >= 1, got {d} for `{q}` and {d_v} for `{v}`")
     if n_v != n_k:
-        _fail(ValueError, f"`v` has {n_v} keys but `k` has {n_k}")
+        _fail(ValueError, f"`{v}` has {n_v} keys but `{k}` has {n_k}")
     if n_v_heads != n_kv_heads:
-        _fail(ValueError, f"`v` has {n_v_heads} heads but `k` has {n_kv_heads}")
+        _fail(ValueError, f"`{v}` has {n_v_heads} heads but `{k}` has {n_kv_heads}")
     if n_kv_heads < 1 or n_heads % n_kv_heads:
         _fail(ValueError, f"the number of query heads ({n_heads}) must be a multiple of the "
                           f"number of key/value heads ({n_kv_heads})")
@@ -444,7 +446,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     # everything to (batch or page, heads, rows, dim)
     q4, kc4, vc4 = (np.swapaxes(x, 1, 2) if layout == "bshd" else x for x in (q, k_cache, v_cache))
     batch = q4.shape[0]
-    n_heads, n_kv_heads, n_q, page_rows, d, d_v = head_dims(q4, kc4, vc4)
+    n_heads, n_kv_heads, n_q, page_rows, d, d_v = head_dims(q4, kc4, vc4,
+                                                            names=("q", "k_cache", "v_cache"))
     k4 = v4 = None
     n_new = 0
     if has_new:
@@ -536,10 +539,7 @@ def write_new_keys(call):
 
 def merge_args(outs, lses):
     """Validate `cpuflash.merge_states`: a stack of S partial outputs and their LSEs."""
-    outs = np.stack([as_array("outs", o) for o in outs]) if isinstance(outs, (list, tuple)) \
-        else as_array("outs", outs)
-    lses = np.stack([as_array("lses", x) for x in lses]) if isinstance(lses, (list, tuple)) \
-        else as_array("lses", lses)
+    outs, lses = stacked("outs", outs), stacked("lses", lses)
     for name, x in (("outs", outs), ("lses", lses)):
         if x.dtype not in (np.float32, np.float64):
             _fail(TypeError, f"`{name}` must be float32 or float64, got {x.dtype}")
@@ -549,3 +549,17 @@ def merge_args(outs, lses):
     if outs.shape[0] < 1:
         _fail(ValueError, "`outs` must hold at least one partial result, got 0")
     return outs, lses
+
+
+def stacked(name, parts):
+    """An (S, ...) array, or a sequence of S arrays of one shape stacked into one."""
+    if not isinstance(parts, (list, tuple)):
+        return as_array(name, parts)
+    parts = [as_array(name, part) for part in parts]
+    if not parts:
+        _fail(ValueError, f"`{name}` must hold at least one partial result, got 0")
+    shapes = {part.shape for part in parts}
+    if len(shapes) > 1:
+        _fail(ValueError, f"the parts of `{name}` must share one shape, got "
+                          f"{sorted(shapes)}")
+    return np.stack(parts)

@@ -86,7 +86,8 @@ def _run_forward(call, seqs):
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
         tiles = tiling.split_for_threads(tiles, int(seqs[:, 2].max()),
                                          len(seqs) * call.n_heads, n_threads)
-    items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window)
+    items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
+                                       tiles.block_k)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
     kernel = fa2_forward.specialize((call.q.dtype, call.compute_dtype))
     left, right = call.window

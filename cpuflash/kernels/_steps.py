@@ -2,7 +2,7 @@
 
 Shapes (compute dtype, C order, owned by one thread):
 
-* ``q_tile (block_q, D)``: the tile's queries, already multiplied by the score scale;
+* ``q_tile (block_q, D)``: the tile's queries;
 * ``k_panels (panels, D, W)``: the key block packed into panels of ``W = 2 * lanes`` keys (two
   SIMD vectors), so the Q K^T micro-kernel reads each panel as one contiguous stream;
 * ``v_tile (panels * W, Dvp)``: the value block, row-major, ``Dvp`` = Dv rounded up to ``W``;
@@ -31,6 +31,8 @@ from .._simd import vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vm
     vstore, vsub, vtanh, vzeros
 from ._convert import narrow, widen
 
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453
 ROWS = 6  # query rows per micro-tile
 DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum
 
@@ -161,6 +163,17 @@ def _store_or_add(scores, o, lo, hi, first):
     vstore(scores, o + n, hi)
 
 
+@jit
+def scale_tile(scores, rows, cols, mult):
+    """s *= mult, whole vectors (the padding past `cols` is never read)."""
+    n = lanes(scores)
+    mult_v = vsplat(mult, scores)
+    for r in range(rows):
+        base = r * scores.shape[1]
+        for c in range(0, cols, n):
+            vstore(scores, base + c, vmul(mult_v, vload(scores, base + c)))
+
+
 def softcap_tile(scores, rows, cols, cap):
     """s = cap * tanh(s), on scores already divided by the softcap."""
 
@@ -221,16 +234,19 @@ def bool_mask_tile(scores, mask, bb, h, q0, kb, rows, cols):
 
 @jit
 def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
-    """Online softmax over one key block: scores become P = exp2(s - new max).
+    """Online softmax over one key block: scores become P = exp(s - new max).
 
-    alpha[r] = exp2(old max - new max) is the factor that rescales what row r accumulated so
-    far. A row whose every score so far is -inf keeps max -inf and uses 0 as its shift, so it
-    produces zeros rather than NaN; a NaN score makes its row max NaN and so its output NaN.
-    Scores past `cols` in the last vector are set to -inf first, so whole vectors can be used.
+    alpha[r] = exp(old max - new max) is the factor that rescales what row r accumulated so
+    far. The exponentials are exp2((s - max) * log2(e)): the difference first, so it is exact
+    for the scores that matter and large logits lose nothing to the change of base. A row whose
+    every score so far is -inf keeps max -inf and uses 0 as its shift, so it produces zeros
+    rather than NaN; a NaN score makes its row max NaN and so its output NaN. Scores past
+    `cols` in the last vector are set to -inf first, so whole vectors can be used.
     """
     n = lanes(scores)
     sw = scores.shape[1]
     width = (cols + n - 1) // n * n
+    log2e = vsplat(LOG2E, scores)
     for r in range(rows):
         for c in range(cols, width):
             scores[r, c] = -np.inf
@@ -241,11 +257,11 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
         block_max = vhmax(top)
         new_max = block_max if block_max > row_max[r] or block_max != block_max else row_max[r]
         shift = new_max if new_max != -np.inf else 0.0
-        alpha[r] = math.exp2(row_max[r] - shift)
+        alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
         shift_v = vsplat(shift, scores)
         total = vzeros(scores)
         for c in range(0, width, n):
-            p = vexp2(vsub(vload(scores, base + c), shift_v))
+            p = vexp2(vmul(vsub(vload(scores, base + c), shift_v), log2e))
             vstore(scores, base + c, p)
             total = vadd(total, p)
         row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
@@ -325,21 +341,21 @@ def _rescale_add(acc, o, alpha, lo, hi):
 
 
 @jit
-def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, ln2, half):
-    """out = acc / row_sum and lse = max + log2(sum) in natural log, written once per row.
+def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
+    """out = acc / row_sum and lse = max + log(sum), written once per row.
 
-    `sink` (base 2, -inf when absent) joins the denominator only. A row with nothing visible
-    writes zeros and lse -inf (the sink's value when there is one).
+    `sink` (-inf when absent) joins the denominator only. A row with nothing visible writes
+    zeros and lse -inf (the sink's value when there is one).
     """
     for r in range(rows):
         m, total = row_max[r], row_sum[r]
         if sink != -np.inf:
             top = max(m, sink)
-            total = total * math.exp2(m - top) + math.exp2(sink - top)
-            norm = math.exp2(m - top) / total
+            total = total * math.exp2((m - top) * LOG2E) + math.exp2((sink - top) * LOG2E)
+            norm = math.exp2((m - top) * LOG2E) / total
             m = top
         else:
             norm = 1.0 / total if total != 0 else 0.0  # NaN stays NaN
         for x in range(out.shape[3]):
             out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half)
-        lse[b, h, start + r] = (m + math.log2(total)) * ln2 if total != 0 else -np.inf
+        lse[b, h, start + r] = m + math.log2(total) * LN2 if total != 0 else -np.inf

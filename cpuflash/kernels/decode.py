@@ -26,8 +26,6 @@ from .._simd import prefetch, vfma, vhsum, vload, vstore, vzeros
 from . import _steps
 from ._convert import widen
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -38,8 +36,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
     rows = group * n_q  # row r is query row r % n_q of head hk * group + r // n_q
     n_splits = part_out.shape[0]
     has_alibi = alibi.shape[1] > 0
-    q_mult = qk_scale / softcap if softcap > 0 else qk_scale * LOG2E
-    cap = softcap * LOG2E
+    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
 
     for item in prange(batch * n_kv * n_splits):
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
@@ -48,8 +45,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         # -- this split's keys, narrowed to what some row of the group can see
         k_lo = split * split_len
         k_hi = min(n_k, k_lo + split_len)
-        if left >= 0:
-            k_lo = max(k_lo, shift - left)
+        if left >= 0:  # aligned down, so the key blocks are the same for any split of rows
+            k_lo = max(k_lo, (shift - left) // block_k * block_k)
         if right >= 0:
             k_hi = min(k_hi, n_q + shift + right)
 
@@ -60,7 +57,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         offsets = np.empty(block_k, dtype=np.int64)
         for r in range(rows):
             for x in range(d):
-                q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half) * q_mult
+                q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half)
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
@@ -74,17 +71,18 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
             # -- S = Q K^T, one dot product along D per (row, key)
             _dot_rows(q_rows, k_rows, scores, rows, cols)
+            _steps.scale_tile(scores, rows, cols, s_mult)
 
             # -- score modifiers and visibility, per row of the group
             if softcap > 0:
-                _steps.softcap_tile(scores, rows, cols, cap)
+                _steps.softcap_tile(scores, rows, cols, softcap)
             inside = ((left < 0 or kb >= n_q - 1 + shift - left)
                       and (right < 0 or kb + cols - 1 <= shift + right))
             if has_alibi or not inside:
                 for r in range(rows):
                     diag = r % n_q + shift - kb  # block column under row r's diagonal
                     if has_alibi:
-                        slope = alibi[b, hk * group + r // n_q] * LOG2E
+                        slope = alibi[b, hk * group + r // n_q]
                         _steps.alibi_tile(scores[r:], 1, cols, slope, diag)
                     if not inside:
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right)
@@ -97,7 +95,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         for g in range(group):
             first = g * n_q
             _steps.finish_rows(acc[first:], row_max[first:], row_sum[first:], n_q, -np.inf,
-                               part_out[split], part_lse[split], b, hk * group + g, 0, LN2, 0)
+                               part_out[split], part_lse[split], b, hk * group + g, 0, 0)
 
 
 @jit

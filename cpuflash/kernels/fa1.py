@@ -14,8 +14,6 @@ from numba import prange, types
 from .._jit import Kernel, array
 from . import _steps
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
@@ -43,8 +41,9 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                 rows = min(block_q, n_q - q0)
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
-                _steps.pack_rows(q, b, h, q0, rows, q_tile, qk_scale * LOG2E, 0)
+                _steps.pack_rows(q, b, h, q0, rows, q_tile, 1.0, 0)
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
+                _steps.scale_tile(scores, rows, cols, qk_scale)
                 if causal and kb + cols - 1 > q0 + shift:
                     _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right)
                 # -- FA-1: load the normalized output rows and their statistics from memory,
@@ -64,7 +63,7 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                     row_sum[q0 + r] = tile_sum[r]
         for i in range(n_q):
             total = row_sum[i]
-            lse[b, h, i] = (row_max[i] + math.log2(total)) * LN2 if total != 0 else -np.inf
+            lse[b, h, i] = row_max[i] + math.log(total) if total != 0 else -np.inf
 
 
 def _signature(dtype):

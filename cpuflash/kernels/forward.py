@@ -7,8 +7,8 @@ its output rows are written once, after the last key block (FA-2's Q-outer loop 
 rescaling). The tile steps are small functions in `_steps` so the loop below reads like the
 algorithm.
 
-Scores are kept in base 2: `scale * log2(e)` is folded into the packed queries, so the softmax
-is `exp2(s - max)`, and the log-sum-exp is converted back to natural log at the end.
+The softmax runs on the vectorized `exp2` of the SIMD layer: `exp(s - max)` is computed as
+`exp2((s - max) * log2(e))`.
 
 Sequences are described by a table so that batched input, packed (varlen) input and KV caches
 share this kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and
@@ -23,8 +23,6 @@ from .._jit import Kernel, array
 from numba import types
 from . import _steps
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk_scale,
@@ -37,9 +35,8 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
     has_bias = bias.shape[0] > 0
     has_mask = mask.shape[0] > 0
     has_sinks = sinks.shape[0] > 0
-    # Scores enter the softmax as log2(e) * s; with a softcap, tanh needs s / softcap first.
-    q_mult = qk_scale / softcap if softcap > 0 else qk_scale * LOG2E
-    cap = softcap * LOG2E
+    # with a softcap, tanh needs s / softcap first
+    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
         # -- thread-local tile state, allocated once per chunk of work items
@@ -58,31 +55,35 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
             shift = n_k - n_q
             diag0 = q0 + shift  # key column under the tile's first row
 
-            # -- the keys any row of this tile can see; blocks outside are never visited
-            k_lo = max(0, diag0 - left) if left >= 0 else 0
+            # -- the keys any row of this tile can see; blocks outside are never visited. Blocks
+            # start at multiples of block_k whatever the tile, so every row meets the same key
+            # blocks (and rounds the same way) for any block_q, hence any thread count.
+            k_lo = max(0, diag0 - left) // block_k * block_k if left >= 0 else 0
             k_hi = min(n_k, diag0 + rows + right) if right >= 0 else n_k
 
-            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, q_mult, half)
+            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, 1.0, half)
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
-            slope = alibi[seq, h] * LOG2E if has_alibi else 0.0
+            slope = alibi[seq, h] if has_alibi else 0.0
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
                 _steps.pack_key_panels(k, bk, hk, k_start + kb, cols, k_panels, half)
                 _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, 1.0, half)
 
-                # -- S = Q K^T (base-2 scores, scale folded into Q)
+                # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
+                # query element, and float64 then misses the accuracy rule on large logits
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
+                _steps.scale_tile(scores, rows, cols, s_mult)
 
                 # -- score modifiers, in the order of the score pipeline
                 if softcap > 0:
-                    _steps.softcap_tile(scores, rows, cols, cap)
+                    _steps.softcap_tile(scores, rows, cols, softcap)
                 if has_alibi:
                     _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb)
                 if has_bias:
-                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, LOG2E)
+                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0)
 
                 # -- visibility: only blocks that cross a band edge pay for element masks
                 inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
@@ -99,9 +100,9 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
 
             # -- normalize once, write each output row once
-            sink = sinks[h] * LOG2E if has_sinks else -np.inf
+            sink = sinks[h] if has_sinks else -np.inf
             _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, bq, h,
-                               q_start + q0, LN2, half)
+                               q_start + q0, half)
 
 
 def _signature(key):

@@ -1,0 +1,189 @@
+"""Property tests: random shapes, flags, dtypes and tiles against the dense reference.
+
+Hypothesis draws the sizes and flags; the array values come from a seeded numpy generator (the
+seed is drawn too), so a failing example replays exactly. `derandomize=True` makes every run
+draw the same examples, and no example database is written. Shapes vary freely: the kernels
+are compiled once per dtype (arrays of any shape and strides share one specialization).
+"""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cpuflash
+
+from accuracy import assert_close_to_reference
+
+BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+DTYPES = st.sampled_from([np.float32, np.float64])
+SIDE = st.one_of(st.just(-1), st.just(0), st.integers(1, 80))  # unbounded, zero, inside/beyond
+WINDOWS = st.none() | st.tuples(SIDE, SIDE)
+SOFTCAPS = st.sampled_from([0.0, 0.0, 0.5, 5.0, 50.0])
+SCALES = st.none() | st.floats(0.01, 3.0)
+TILES = st.none() | st.tuples(st.integers(1, 100), st.integers(1, 100))
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+def normal(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def slopes_for(rng, kind, batch, n_heads):
+    if kind is None:
+        return None
+    shape = (n_heads,) if kind == "heads" else (batch, n_heads)
+    return rng.uniform(0.0, 0.5, shape).astype(np.float32)
+
+
+@st.composite
+def problems(draw):
+    """Shapes and score-pipeline flags of one `attention` call."""
+    batch, n_kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), \
+        draw(st.integers(1, 3))
+    return dict(
+        batch=batch, n_heads=n_kv_heads * group, n_kv_heads=n_kv_heads,
+        n_q=draw(st.integers(0, 70)), n_k=draw(st.integers(0, 70)),
+        d=draw(st.integers(1, 70)), d_v=draw(st.integers(1, 40)),
+        dtype=draw(DTYPES), seed=draw(SEEDS), magnitude=draw(st.sampled_from([1.0, 1.0, 8.0])),
+        causal=draw(st.booleans()), window=draw(WINDOWS), softcap=draw(SOFTCAPS),
+        scale=draw(SCALES), alibi=draw(st.sampled_from([None, "heads", "batch_heads"])),
+    )
+
+
+def make_inputs(p):
+    rng = np.random.default_rng(p["seed"])
+    q = normal(rng, (p["batch"], p["n_heads"], p["n_q"], p["d"]), p["dtype"]) * p["magnitude"]
+    k = normal(rng, (p["batch"], p["n_kv_heads"], p["n_k"], p["d"]), p["dtype"])
+    v = normal(rng, (p["batch"], p["n_kv_heads"], p["n_k"], p["d_v"]), p["dtype"])
+    flags = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"], scale=p["scale"],
+                 alibi_slopes=slopes_for(rng, p["alibi"], p["batch"], p["n_heads"]))
+    return rng, q, k, v, flags
+
+
+@BOUNDED
+@given(p=problems(), tiles=TILES, extra=st.sampled_from([None, "bias", "mask", "sinks"]))
+def test_attention_matches_the_reference(p, tiles, extra):
+    rng, q, k, v, flags = make_inputs(p)
+    if extra == "bias":
+        flags["bias"] = rng.standard_normal((p["n_q"], p["n_k"])).astype(np.float32)
+    elif extra == "mask":
+        flags["mask"] = rng.random((p["n_heads"], p["n_q"], p["n_k"])) < 0.7
+    elif extra == "sinks":
+        flags["sinks"] = rng.standard_normal(p["n_heads"]).astype(np.float32)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, tiles=tiles, **flags)
+    assert out.dtype == q.dtype
+    assert lse.dtype == (np.float64 if q.dtype == np.float64 else np.float32)
+    assert_close_to_reference(out, q, k, v, lse=lse, **flags)
+
+
+@BOUNDED
+@given(p=problems(), by_keys=st.booleans(), share=st.floats(0.0, 1.0))
+def test_merging_two_splits_of_the_keys_gives_the_full_call(p, by_keys, share):
+    """Two calls over disjoint sets of keys, merged, equal one call over all of them: split
+    either by taking key subsets (position-free flags only) or by complementary masks."""
+    rng, q, k, v, flags = make_inputs(p)
+    if by_keys:  # positions change when keys are dropped: no causal, window or ALiBi here
+        flags = dict(softcap=flags["softcap"], scale=flags["scale"])
+        first = rng.random(p["n_k"]) < share
+        parts = [cpuflash.attention(q, k[:, :, keep], v[:, :, keep], return_lse=True, **flags)
+                 for keep in (first, ~first)]
+    else:
+        first = rng.random((p["n_q"], p["n_k"])) < share
+        parts = [cpuflash.attention(q, k, v, mask=m, return_lse=True, **flags)
+                 for m in (first, ~first)]
+    out, lse = cpuflash.merge_states([o for o, _ in parts], [x for _, x in parts])
+    assert out.dtype == q.dtype and out.shape == parts[0][0].shape
+    assert_close_to_reference(out, q, k, v, lse=lse, **flags)
+
+
+@st.composite
+def packed_problems(draw):
+    n_seqs = draw(st.integers(1, 4))
+    n_kv_heads, group = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    return dict(
+        lens_q=draw(st.lists(st.integers(0, 40), min_size=n_seqs, max_size=n_seqs)),
+        lens_k=draw(st.lists(st.integers(0, 40), min_size=n_seqs, max_size=n_seqs)),
+        n_heads=n_kv_heads * group, n_kv_heads=n_kv_heads,
+        d=draw(st.integers(1, 70)), d_v=draw(st.integers(1, 40)), dtype=draw(DTYPES),
+        seed=draw(SEEDS), causal=draw(st.booleans()), window=draw(WINDOWS),
+        softcap=draw(SOFTCAPS), scale=draw(SCALES),
+        alibi=draw(st.sampled_from([None, "heads", "batch_heads"])),
+    )
+
+
+@BOUNDED
+@given(p=packed_problems())
+def test_varlen_matches_the_reference_per_sequence(p):
+    rng = np.random.default_rng(p["seed"])
+    cu_q = np.concatenate([[0], np.cumsum(p["lens_q"])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(p["lens_k"])]).astype(np.int32)
+    q = normal(rng, (cu_q[-1], p["n_heads"], p["d"]), p["dtype"])
+    k = normal(rng, (cu_k[-1], p["n_kv_heads"], p["d"]), p["dtype"])
+    v = normal(rng, (cu_k[-1], p["n_kv_heads"], p["d_v"]), p["dtype"])
+    slopes = slopes_for(rng, p["alibi"], len(p["lens_q"]), p["n_heads"])
+    flags = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"], scale=p["scale"])
+    out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, alibi_slopes=slopes,
+                                         return_lse=True, **flags)
+    assert out.shape == (cu_q[-1], p["n_heads"], p["d_v"])
+    assert lse.shape == (p["n_heads"], cu_q[-1])
+    for b in range(len(p["lens_q"])):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq_slopes = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
+        assert_close_to_reference(
+            np.swapaxes(out[rows], 0, 1), np.swapaxes(q[rows], 0, 1),
+            np.swapaxes(k[keys], 0, 1), np.swapaxes(v[keys], 0, 1), lse=lse[:, rows],
+            alibi_slopes=seq_slopes, **flags)
+
+
+@st.composite
+def cache_problems(draw):
+    batch, n_kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 2)), \
+        draw(st.integers(1, 4))
+    n_max = draw(st.integers(1, 90))
+    n_new = draw(st.integers(0, min(n_max, 8)))
+    return dict(
+        batch=batch, n_heads=n_kv_heads * group, n_kv_heads=n_kv_heads, n_max=n_max,
+        n_new=n_new, n_q=draw(st.sampled_from([1, 1, 2, max(1, n_new), 20])),
+        seqlens=draw(st.lists(st.integers(0, n_max - n_new), min_size=batch, max_size=batch)),
+        d=draw(st.integers(1, 70)), d_v=draw(st.integers(1, 40)), dtype=draw(DTYPES),
+        seed=draw(SEEDS), causal=draw(st.booleans()), window=draw(WINDOWS),
+        softcap=draw(SOFTCAPS), scale=draw(SCALES), num_splits=draw(st.integers(0, 5)),
+        alibi=draw(st.sampled_from([None, "heads", "batch_heads"])), sinks=draw(st.booleans()),
+    )
+
+
+@BOUNDED
+@given(p=cache_problems())
+def test_kvcache_matches_the_reference_per_batch_entry(p):
+    rng = np.random.default_rng(p["seed"])
+    b, hk, dt = p["batch"], p["n_kv_heads"], p["dtype"]
+    q = normal(rng, (b, p["n_heads"], p["n_q"], p["d"]), dt)
+    k_cache = normal(rng, (b, hk, p["n_max"], p["d"]), dt)
+    v_cache = normal(rng, (b, hk, p["n_max"], p["d_v"]), dt)
+    new = {}
+    if p["n_new"]:
+        new = dict(k=normal(rng, (b, hk, p["n_new"], p["d"]), dt),
+                   v=normal(rng, (b, hk, p["n_new"], p["d_v"]), dt))
+    seqlens = np.array(p["seqlens"], np.int32)
+    slopes = slopes_for(rng, p["alibi"], b, p["n_heads"])
+    sinks = rng.standard_normal(p["n_heads"]).astype(np.float32) if p["sinks"] else None
+    flags = dict(causal=p["causal"], window=p["window"], softcap=p["softcap"], scale=p["scale"],
+                 sinks=sinks)
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    out, lse = cpuflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, alibi_slopes=slopes,
+        num_splits=p["num_splits"], return_lse=True, **new, **flags)
+    assert out.shape == (b, p["n_heads"], p["n_q"], p["d_v"])
+    for i in range(b):
+        s, n = seqlens[i], seqlens[i] + p["n_new"]
+        if new:  # the new keys went exactly to [s, n), nothing else moved
+            np.testing.assert_array_equal(k_cache[i, :, s:n], new["k"][i])
+            np.testing.assert_array_equal(v_cache[i, :, s:n], new["v"][i])
+        for cache, before in ((k_cache, before_k), (v_cache, before_v)):
+            np.testing.assert_array_equal(cache[i, :, :s], before[i, :, :s])
+            np.testing.assert_array_equal(cache[i, :, n:], before[i, :, n:])
+        seq_slopes = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[i])
+        assert_close_to_reference(out[i], q[i], k_cache[i, :, :n], v_cache[i, :, :n],
+                                  lse=lse[i], alibi_slopes=seq_slopes, **flags)
