@@ -24,14 +24,18 @@ DEFAULT_CACHES = {"l1d": 32 * KiB, "l2": 256 * KiB, "l3": 8 * MiB}
 KEY_PANEL = 32
 # Query rows per micro-tile. Query blocks are multiples of it.
 ROW_GROUP = 8
-# Measured here (see README, "Tile sweep"): past 256 query rows nothing is gained and the
-# number of work items, hence the parallelism, shrinks.
-MAX_BLOCK_Q = 256
+# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, README "Tiles"): past
+# 384 x 256 the speed is flat, while fewer, larger work items feed the threads worse.
+MAX_BLOCK_Q = 384
 MAX_BLOCK_K = 256
-# The share of a cache level a tile's working set may claim; the rest is left to the other
-# streams (output rows, masks, the other hyper-thread) so they do not evict it.
+# Bytes of one row of the P V micro-kernel's value slice: two vectors of 64 bytes (AVX-512; with
+# AVX2 the slice is half that, so the rule below is conservative there).
+VALUE_SLICE_BYTES = 128
+# The share of L1 the streamed slice may claim; the rest holds the query rows and scores that
+# the micro-kernel reads beside it.
 L1_SHARE = 0.75
-L2_SHARE = 0.5
+# L2 is private to a core and the tile's state is most of what the core touches.
+L2_SHARE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,21 +60,28 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
 
     The model (`e` bytes per element of the compute dtype, float32 for half precisions):
 
-    * **L1 holds one key block.** The Q K^T micro-kernel sweeps every key panel of the block
-      once per group of query rows, and P V sweeps every value row; keeping the whole
-      ``block_k x max(D, Dv)`` block in L1 makes those sweeps L1 hits::
+    * **L1 holds what a micro-kernel streams.** The P V micro-kernel sweeps, for a group of six
+      query rows, a slice of two vectors (128 bytes) of every value row of the block; that
+      slice is re-read by every row group, so it must stay in L1::
 
-          block_k * max(D, Dv) * e <= L1_SHARE * L1d
+          block_k * VALUE_SLICE_BYTES <= L1_SHARE * L1d
 
-      rounded down to a multiple of the 32-key panel (at least one panel).
-    * **L2 holds a query tile's state next to the key and value blocks**: the packed queries,
-      the unnormalized accumulator, the score tile, and the K and V blocks::
+      (the Q K^T micro-kernel streams one packed panel of 32 keys, ``32 * D * e`` bytes, which is
+      independent of the tile). `block_k` is rounded down to whole 32-key panels, at most 256,
+      and the K and V blocks may take at most half of the L2 budget below.
+    * **L2 holds a query tile's state next to the key and value blocks**: the queries, the
+      unnormalized accumulator, the score tile, and the K and V blocks::
 
           (block_q * (D + Dv + block_k) + block_k * (D + Dv)) * e <= L2_SHARE * L2
 
-      `block_q` is the largest multiple of 8 rows that fits, at most 256: each K/V block is then
-      re-used by as many rows as possible (one head's K and V at N = 4096 and D = 128 is 4 MB,
-      more than L2, so they stream from memory once per query tile).
+      `block_q` is the largest multiple of 8 rows that fits, at most 384: every K/V block is
+      then re-used by as many rows as possible (one head's K and V at N = 4096, D = 128 are 4 MB,
+      more than L2, so they stream from L3 or memory once per query tile).
+
+    Measured on the 2-core AMD EPYC (Zen 5, 48 KiB L1d, 1 MiB L2) test machine, B=1, H=8,
+    N=4096, float32 (`bench/sweep_tiles.py`): the speed rises with both block sizes up to about
+    384 x 256 and is flat beyond (D=128: 324 GFLOP/s at 256 x 64, 366 at 384 x 256, 371 at
+    512 x 256; D=64: 291, 330, 330); this model picks 384 x 256 there.
 
     A larger cache never gives smaller tiles. ``cache`` is a dict with keys ``"l1d"`` and ``"l2"``
     in bytes; None reads them from this machine (`cpu_info`).
@@ -81,7 +92,9 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
     dv = d if head_dim_v is None else int(head_dim_v)
     e = 8 if np.dtype(dtype) == np.float64 else 4
 
-    block_k = int(L1_SHARE * l1) // (max(d, dv) * e)
+    # the L1 rule, and the K and V blocks in at most half of the L2 budget
+    block_k = min(int(L1_SHARE * l1) // VALUE_SLICE_BYTES,
+                  int(L2_SHARE * l2) // 2 // ((d + dv) * e))
     block_k = max(KEY_PANEL, min(MAX_BLOCK_K, block_k // KEY_PANEL * KEY_PANEL))
 
     budget = int(L2_SHARE * l2) // e - block_k * (d + dv)
@@ -95,7 +108,7 @@ def working_set_bytes(tiles, head_dim, dtype=np.float32, head_dim_v=None):
     d = int(head_dim)
     dv = d if head_dim_v is None else int(head_dim_v)
     e = 8 if np.dtype(dtype) == np.float64 else 4
-    l1 = tiles.block_k * max(d, dv) * e
+    l1 = tiles.block_k * VALUE_SLICE_BYTES
     l2 = (tiles.block_q * (d + dv + tiles.block_k) + tiles.block_k * (d + dv)) * e
     return l1, l2
 
