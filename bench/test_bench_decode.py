@@ -69,7 +69,10 @@ def read_bandwidth(repeats):
 
 
 def _timed(call):
+    """Seconds of one call in steady state: after a pause (so another library's spinning
+    threads have gone to sleep) and one untimed call (so this library's threads are awake)."""
     time.sleep(SETTLE_SECONDS)
+    call()
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
