@@ -224,7 +224,7 @@ class AttentionCall:
 
     def result(self, return_lse):
         if self.copy_back is not None:
-            np.copyto(self.copy_back, self.out_user.view(self.copy_back.dtype))
+            np.copyto(self.copy_back, self.out_user)
             out = self.copy_back
         else:
             out = self.out_user
@@ -280,14 +280,14 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
     tiles = tiles_value(tiles)
 
     # -- score modifiers
-    no_batch = np.zeros(batch, dtype=np.int64)
     alibi = alibi_value(alibi_slopes, lead, n_heads, cdtype)
     scores = (n_heads, n_q, n_k)
-    bias4, bias_map = np.zeros((0, 0, 0, 0), dtype=cdtype), no_batch
+    absent = _no_operand(batch, cdtype)
+    bias4, bias_map = absent["bias"], absent["bias_map"]
     if bias is not None:
         bias4, bias_map = broadcast_operand("bias", float_operand("bias", bias, cdtype),
                                             lead, scores)
-    mask4, mask_map = np.zeros((0, 0, 0, 0), dtype=np.bool_), no_batch
+    mask4, mask_map = absent["mask"], absent["mask_map"]
     if mask is not None:
         mask = as_array("mask", mask)
         if mask.dtype != np.bool_:
@@ -347,7 +347,7 @@ def out_value(out, shape, dtype, inputs):
 
 
 def _no_operand(batch, dtype):
-    """The empty bias/mask operands of calls that take none (varlen, KV cache)."""
+    """Empty bias and mask operands, for calls without them (the kernel sees their size 0)."""
     no_batch = np.zeros(batch, dtype=np.int64)
     return dict(bias=np.zeros((0, 0, 0, 0), dtype=dtype), bias_map=no_batch,
                 mask=np.zeros((0, 0, 0, 0), dtype=np.bool_), mask_map=no_batch)

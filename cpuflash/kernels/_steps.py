@@ -63,11 +63,11 @@ def tile_buffers(block_q, block_k, d, dv, like):
 
 
 @jit
-def pack_rows(src, b, h, start, rows, dst, mult, half):
-    """dst[r, :] = mult * src[b, h, start + r, :], widened to the compute dtype."""
+def pack_rows(src, b, h, start, rows, dst, half):
+    """dst[r, :] = src[b, h, start + r, :], widened to the compute dtype."""
     for r in range(rows):
         for x in range(src.shape[3]):
-            dst[r, x] = widen(src[b, h, start + r, x], half) * mult
+            dst[r, x] = widen(src[b, h, start + r, x], half)
 
 
 @jit

@@ -15,7 +15,6 @@ from .._jit import Kernel, array
 from . import _steps
 
 
-
 def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
     batch, n_heads, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[3]
@@ -36,12 +35,12 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
         for kb in range(0, n_k, block_k):
             cols = min(block_k, n_k - kb)
             _steps.pack_key_panels(k, b, hk, kb, cols, k_panels, 0)
-            _steps.pack_rows(v, b, hk, kb, cols, v_tile, 1.0, 0)
+            _steps.pack_rows(v, b, hk, kb, cols, v_tile, 0)
             for q0 in range(0, n_q, block_q):
                 rows = min(block_q, n_q - q0)
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
-                _steps.pack_rows(q, b, h, q0, rows, q_tile, 1.0, 0)
+                _steps.pack_rows(q, b, h, q0, rows, q_tile, 0)
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
                 _steps.scale_tile(scores, rows, cols, qk_scale)
                 if causal and kb + cols - 1 > q0 + shift:

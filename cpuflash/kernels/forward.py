@@ -17,12 +17,10 @@ Per-sequence operands (ALiBi slopes, the rows of bias and mask) are indexed by `
 """
 
 import numpy as np
-from numba import prange
+from numba import prange, types
 
 from .._jit import Kernel, array
-from numba import types
 from . import _steps
-
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk_scale,
@@ -61,7 +59,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
             k_lo = max(0, diag0 - left) // block_k * block_k if left >= 0 else 0
             k_hi = min(n_k, diag0 + rows + right) if right >= 0 else n_k
 
-            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, 1.0, half)
+            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, half)
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
@@ -70,7 +68,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
                 _steps.pack_key_panels(k, bk, hk, k_start + kb, cols, k_panels, half)
-                _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, 1.0, half)
+                _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, half)
 
                 # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
                 # query element, and float64 then misses the accuracy rule on large logits
@@ -93,7 +91,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 if has_mask:
                     _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols)
 
-                # -- online softmax: new row max, rescale factor alpha, P = exp2(S - max)
+                # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
 
                 # -- acc = alpha * acc + P V
