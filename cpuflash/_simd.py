@@ -34,7 +34,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vstore", "vbroadcast", "vsplat", "vzeros",
-    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vexp2", "vtanh", "prefetch",
+    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vexp2", "vtanh",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -426,28 +426,3 @@ def vtanh(typingctx, vec):
         raise errors.TypingError("vtanh takes float32 vectors, got %s" % vec)
     return vec(vec), lambda context, builder, sig, args: _tanh(builder, args[0])
 
-
-@intrinsic
-def prefetch(typingctx, arr, i):
-    """Hint the CPU to bring the cache line holding `arr[i]` into the caches (for reading).
-
-    Where a loop alternates between reading a block from memory and computing on it, fetching
-    the next block while computing overlaps the two. No effect on results; `i` may be past the
-    end of the array (a prefetch never faults). Any array dtype.
-    """
-    if not isinstance(arr, types.Array):
-        raise errors.TypingError("`arr` must be an array, got %s" % arr)
-    _check_index(i)
-
-    def codegen(context, builder, sig, args):
-        ptr = builder.bitcast(_element_ptr(context, builder, sig, args), ir.IntType(8).as_pointer())
-        name = "llvm.prefetch.p0"
-        fn = builder.module.globals.get(name)
-        if fn is None:
-            fn = ir.Function(builder.module, ir.FunctionType(
-                ir.VoidType(), [ptr.type, _I32, _I32, _I32]), name)
-        # read, keep in all levels (locality 3), data cache
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        return context.get_dummy_value()
-
-    return types.void(arr, i), codegen

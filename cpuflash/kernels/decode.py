@@ -22,7 +22,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from .._jit import OPTIONS, Kernel, array, jit
-from .._simd import prefetch, vfma, vhsum, vload, vstore, vzeros
+from .._simd import vbroadcast, vfma, vhsum, vload, vsplat, vstore, vzeros
 from . import _steps
 from ._convert import widen
 
@@ -61,16 +61,11 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
-            # -- stream the block's key and value rows out of their pages, and ask for the next
-            # block's while this one is computed on
-            _gather_rows(k_cache, block_table, b, hk, kb, cols, page_size, offsets, k_rows, half)
-            _gather_rows(v_cache, block_table, b, hk, kb, cols, page_size, offsets, v_tile, half)
-            ahead = min(block_k, k_hi - kb - cols)
-            _prefetch_rows(k_cache, block_table, b, hk, kb + cols, ahead, page_size, offsets)
-            _prefetch_rows(v_cache, block_table, b, hk, kb + cols, ahead, page_size, offsets)
-
-            # -- S = Q K^T, one dot product along D per (row, key)
-            _dot_rows(q_rows, k_rows, scores, rows, cols)
+            # -- S = Q K^T, one dot product along D per (row, key), each key row read once
+            # from its page (software prefetching of the next block measured 30% slower here:
+            # the hardware prefetcher follows the rows, an extra burst only competes with it)
+            _qk_block(q_rows, k_cache, block_table, b, hk, kb, cols, page_size, offsets, k_rows,
+                      scores, rows, half)
             _steps.scale_tile(scores, rows, cols, s_mult)
 
             # -- score modifiers and visibility, per row of the group
@@ -89,7 +84,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
             # -- online softmax and acc = alpha * acc + P V, as in the forward kernel
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
-            _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+            _pv_block(scores, v_cache, block_table, b, hk, kb, cols, page_size, offsets, v_tile,
+                      acc, alpha, rows, half)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -159,23 +155,102 @@ def _gather_rows_impl(cache, block_table, b, h, start, cols, page_size, offsets,
     return copy_rows
 
 
+def _direct(cache, like):
+    """Whether the kernel reads the (float) `cache` rows in place: contiguous, whole vectors."""
+
+
+@overload(_direct, jit_options=OPTIONS)
+def _direct_impl(cache, like):
+    return lambda cache, like: (cache.strides[3] == cache.itemsize
+                                and cache.shape[3] % _steps.lanes(like) == 0)
+
+
+def _qk_block(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
+              scores, rows, half):
+    """scores[:rows, :cols] = q_rows . keys of positions start..start+cols."""
+
+
 @jit
-def _prefetch_rows(cache, block_table, b, h, start, cols, page_size, offsets):
-    """Ask for the cache lines of the rows of positions start..start+cols."""
-    if cols <= 0 or cache.strides[3] != cache.itemsize:
-        return
-    line = max(1, 64 // cache.itemsize)
+def _qk_from_copy(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
+                  scores, rows, half):
+    _gather_rows(k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows, half)
+    _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols)
+
+
+@overload(_qk_block, jit_options=OPTIONS)
+def _qk_block_impl(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
+                   scores, rows, half):
+    if not isinstance(k_cache.dtype, types.Float):  # half-precision bits: widened copies
+        return _qk_from_copy.py_func
+
+    def qk_block(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
+                 scores, rows, half):
+        if _direct(k_cache, q_rows):  # straight from the cache: no copy, one read of each row
+            _row_offsets(k_cache, block_table, b, h, start, cols, page_size, offsets)
+            _dot_rows(q_rows, k_cache, offsets, scores, rows, cols)
+        else:
+            _qk_from_copy(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets,
+                          k_rows, scores, rows, half)
+    return qk_block
+
+
+def _pv_block(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile, acc,
+              alpha, rows, half):
+    """acc = alpha * acc + P V over the values of positions start..start+cols."""
+
+
+@jit
+def _pv_from_copy(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
+                  acc, alpha, rows, half):
+    _gather_rows(v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile, half)
+    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+
+
+@overload(_pv_block, jit_options=OPTIONS)
+def _pv_block_impl(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
+                   acc, alpha, rows, half):
+    if not isinstance(v_cache.dtype, types.Float):  # half-precision bits: widened copies
+        return _pv_from_copy.py_func
+
+    def pv_block(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
+                 acc, alpha, rows, half):
+        if _direct(v_cache, acc):  # v_tile (block_k >= rows rows) holds the block's sum
+            _row_offsets(v_cache, block_table, b, h, start, cols, page_size, offsets)
+            _pv_rows(scores, v_cache, offsets, v_tile, acc, alpha, rows, cols)
+        else:
+            _pv_from_copy(scores, v_cache, block_table, b, h, start, cols, page_size, offsets,
+                          v_tile, acc, alpha, rows, half)
+    return pv_block
+
+
+@jit
+def _pv_rows(scores, v_cache, offsets, block_acc, acc, alpha, rows, cols):
+    """acc = alpha * acc + P V with the value rows read in place at `offsets`.
+
+    Each value vector is loaded once and used by every query row; the block's sum starts from
+    zero in `block_acc` and joins `acc` once (the same arithmetic as `_steps.pv_tile`).
+    """
+    n = _steps.lanes(acc)
+    dv, dvp, sw = v_cache.shape[3], acc.shape[1], scores.shape[1]
+    block_acc[:rows, :] = 0.0
     for c in range(cols):
-        page = block_table[b, (start + c) // page_size]
-        first = (page * cache.strides[0] + h * cache.strides[1]
-                 + ((start + c) % page_size) * cache.strides[2]) // cache.itemsize
-        for x in range(0, cache.shape[3], line):
-            prefetch(cache, first + x)
+        for x in range(0, dv, n):
+            value = vload(v_cache, offsets[c] + x)
+            for r in range(rows):
+                o = r * dvp + x
+                vstore(block_acc, o, vfma(vbroadcast(scores, r * sw + c), value,
+                                          vload(block_acc, o)))
+    for r in range(rows):
+        scale = vsplat(alpha[r], acc)
+        for x in range(0, dvp, n):
+            o = r * dvp + x
+            vstore(acc, o, vfma(scale, vload(acc, o), vload(block_acc, o)))
 
 
 @jit
-def _dot_rows(q_rows, k_rows, scores, rows, cols):
-    """scores[r, c] = q_rows[r] . k_rows[c]; rows are zero-padded to whole vectors.
+def _dot_rows(q_rows, keys, offsets, scores, rows, cols):
+    """scores[r, c] = q_rows[r] . keys[offsets[c] : offsets[c] + D] (flat element offsets; q_rows
+    are zero-padded to whole vectors and so must the key rows be, or D a multiple of them).
 
     Four keys at a time: four independent FMA chains per query row, one load of each query
     vector for all four.
@@ -184,15 +259,15 @@ def _dot_rows(q_rows, k_rows, scores, rows, cols):
     dp = q_rows.shape[1]
     c = 0
     while c + 4 <= cols:
-        k0, k1, k2, k3 = c * dp, (c + 1) * dp, (c + 2) * dp, (c + 3) * dp
+        k0, k1, k2, k3 = offsets[c], offsets[c + 1], offsets[c + 2], offsets[c + 3]
         for r in range(rows):
             s0 = s1 = s2 = s3 = vzeros(q_rows)
             for x in range(0, dp, n):
                 qx = vload(q_rows, r * dp + x)
-                s0 = vfma(qx, vload(k_rows, k0 + x), s0)
-                s1 = vfma(qx, vload(k_rows, k1 + x), s1)
-                s2 = vfma(qx, vload(k_rows, k2 + x), s2)
-                s3 = vfma(qx, vload(k_rows, k3 + x), s3)
+                s0 = vfma(qx, vload(keys, k0 + x), s0)
+                s1 = vfma(qx, vload(keys, k1 + x), s1)
+                s2 = vfma(qx, vload(keys, k2 + x), s2)
+                s3 = vfma(qx, vload(keys, k3 + x), s3)
             scores[r, c] = vhsum(s0)
             scores[r, c + 1] = vhsum(s1)
             scores[r, c + 2] = vhsum(s2)
@@ -202,7 +277,7 @@ def _dot_rows(q_rows, k_rows, scores, rows, cols):
         for r in range(rows):
             total = vzeros(q_rows)
             for x in range(0, dp, n):
-                total = vfma(vload(q_rows, r * dp + x), vload(k_rows, c * dp + x), total)
+                total = vfma(vload(q_rows, r * dp + x), vload(keys, offsets[c] + x), total)
             scores[r, c] = vhsum(total)
 
 
