@@ -22,6 +22,9 @@ NATIVE, FLOAT16, BFLOAT16 = 0, 1, 2
 
 LAYOUTS = ("bhsd", "bshd")
 
+# window sides are clamped to this (far beyond any sequence length)
+WINDOW_LIMIT = 2 ** 40
+
 
 def _fail(exc, message):
     raise exc(message) from None
@@ -114,6 +117,8 @@ def window_value(window, causal):
         left, right = int(window[0]), int(window[1])
         if left < -1 or right < -1:
             _fail(ValueError, f"`window` sides must be >= -1 (-1 = unbounded), got {window!r}")
+        # wider than any sequence is the same as unbounded; keeps the kernels' int64 sums exact
+        left, right = min(left, WINDOW_LIMIT), min(right, WINDOW_LIMIT)
     if causal:
         right = 0
     return left, right
@@ -136,8 +141,9 @@ def tiles_value(tiles):
 
 
 def float_operand(name, x, dtype):
-    """A float array argument (slopes, bias, sinks) converted to the compute dtype."""
-    x = as_array(name, x)
+    """A float array argument (slopes, bias, sinks) converted to the compute dtype; lists of
+    numbers are welcome too."""
+    x = np.asarray(x) if isinstance(x, (list, tuple)) else as_array(name, x)
     if x.dtype.kind != "f" and not _is_bfloat16(x.dtype):
         _fail(TypeError, f"`{name}` must be a float array, got dtype {x.dtype}")
     return x.astype(dtype, copy=False)
@@ -191,7 +197,9 @@ def head_dims(q4, k4, v4, names=("q", "k", "v")):
         _fail(ValueError, f"`{v}` has {n_v} keys but `{k}` has {n_k}")
     if n_v_heads != n_kv_heads:
         _fail(ValueError, f"`{v}` has {n_v_heads} heads but `{k}` has {n_kv_heads}")
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
+    if n_kv_heads < 1:
+        _fail(ValueError, f"`{k}` must have at least one head, got {n_kv_heads}")
+    if n_heads % n_kv_heads:
         _fail(ValueError, f"the number of query heads ({n_heads}) must be a multiple of the "
                           f"number of key/value heads ({n_kv_heads})")
     return n_heads, n_kv_heads, n_q, n_k, d, d_v
@@ -289,7 +297,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
                                             lead, scores)
     mask4, mask_map = absent["mask"], absent["mask_map"]
     if mask is not None:
-        mask = as_array("mask", mask)
+        mask = np.asarray(mask) if isinstance(mask, (list, tuple)) else as_array("mask", mask)
         if mask.dtype != np.bool_:
             _fail(TypeError, f"`mask` must be a boolean array (True = the key takes part), "
                              f"got dtype {mask.dtype}")
@@ -360,6 +368,9 @@ def cu_seqlens_value(name, cu, total, n_seqs=None):
         _fail(ValueError, f"`{name}` must be 1-D with batch + 1 entries, got shape {cu.shape}")
     if n_seqs is not None and cu.size != n_seqs + 1:
         _fail(ValueError, f"`{name}` has {cu.size} entries but `cu_seqlens_q` has {n_seqs + 1}")
+    if cu.dtype.kind == "u" and cu.max() > np.iinfo(np.int64).max:  # int64 would wrap it
+        _fail(ValueError, f"`{name}` values must be at most the number of rows ({total}), got "
+                          f"{cu.max()}")
     cu = cu.astype(np.int64)
     if cu[0] != 0:
         _fail(ValueError, f"`{name}` must start at 0, got {cu[0]}")
@@ -463,6 +474,10 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
                 _fail(ValueError, f"`{name}` is read-only but new keys `k`/`v` must be "
                                   "written into it")
 
+    if vc4.shape[0] != kc4.shape[0]:
+        unit = "pages" if block_table is not None else "batch entries"
+        _fail(ValueError, f"`v_cache` has {vc4.shape[0]} {unit} but `k_cache` has "
+                          f"{kc4.shape[0]}")
     # -- pages: an unpaged cache is one page of Nmax rows per batch entry
     if block_table is None:
         if kc4.shape[0] != batch:
@@ -477,8 +492,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     n_max = table.shape[1] * page_rows
 
     # -- lengths
-    if cache_seqlens is None:
-        seqlens = np.full(batch, n_max - n_new, dtype=np.int64)
+    if cache_seqlens is None:  # the cache is full: no room for new keys (checked below)
+        seqlens = np.full(batch, n_max, dtype=np.int64)
     else:
         if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
             cache_seqlens = np.full(batch, cache_seqlens)
@@ -487,8 +502,9 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
             _fail(ValueError, f"`cache_seqlens` must have shape ({batch},), got {seqlens.shape}")
         seqlens = seqlens.astype(np.int64)
     if np.any(seqlens < 0) or np.any(seqlens > n_max - n_new):
+        given = "None (a full cache)" if cache_seqlens is None else seqlens.tolist()
         _fail(ValueError, f"`cache_seqlens` must lie in [0, {n_max - n_new}] (cache length "
-                          f"{n_max} minus {n_new} new keys), got {seqlens.tolist()}")
+                          f"{n_max} minus {n_new} new keys), got {given}")
     n_keys = seqlens + n_new
     if block_table is not None:
         used = np.arange(table.shape[1])[None, :] * page_rows < n_keys[:, None]
@@ -496,9 +512,10 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
             _fail(ValueError, f"`block_table` entries for the keys in use must lie in "
                               f"[0, {kc4.shape[0]}) (the number of pages)")
 
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) \
-            or num_splits < 0:
-        _fail(ValueError, f"`num_splits` must be an int >= 0 (0 = automatic), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        _fail(TypeError, f"`num_splits` must be an int (0 = automatic), got {num_splits!r}")
+    if num_splits < 0:
+        _fail(ValueError, f"`num_splits` must be >= 0 (0 = automatic), got {num_splits}")
     qk_scale = scale_value(scale, d)
     left, right = window_value(window, causal)
     softcap = softcap_value(softcap)

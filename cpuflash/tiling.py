@@ -86,11 +86,10 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
     A larger cache never gives smaller tiles. ``cache`` is a dict with keys ``"l1d"`` and ``"l2"``
     in bytes; None reads them from this machine (`cpu_info`).
     """
-    caches = _cache_sizes() if cache is None else cache
-    l1, l2 = int(caches["l1d"]), int(caches["l2"])
-    d = int(head_dim)
-    dv = d if head_dim_v is None else int(head_dim_v)
-    e = 8 if np.dtype(dtype) == np.float64 else 4
+    d = _positive_int("head_dim", head_dim)
+    dv = d if head_dim_v is None else _positive_int("head_dim_v", head_dim_v)
+    e = _element_bytes(dtype)
+    l1, l2 = _cache_pair(cache)
 
     # the L1 rule, and the K and V blocks in at most half of the L2 budget
     block_k = min(int(L1_SHARE * l1) // VALUE_SLICE_BYTES,
@@ -101,6 +100,48 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
     block_q = budget // (d + dv + block_k) // ROW_GROUP * ROW_GROUP
     block_q = max(ROW_GROUP, min(MAX_BLOCK_Q, block_q))
     return TileConfig(block_q, block_k)
+
+
+def clamp_tiles(tiles, n_q, n_k):
+    """`tiles` no larger than the longest sequences need (`n_q` rows, `n_k` keys, rounded up to
+    a whole panel): the same blocks, hence the same results, with buffers that fit the call."""
+    block_q = max(1, min(tiles.block_q, n_q))
+    block_k = max(1, min(tiles.block_k, -(-max(1, n_k) // KEY_PANEL) * KEY_PANEL))
+    if (block_q, block_k) == (tiles.block_q, tiles.block_k):
+        return tiles
+    return TileConfig(block_q, block_k)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be >= 1, got {value}")
+    return int(value)
+
+
+def _element_bytes(dtype):
+    """Bytes of the compute dtype: float64 computes in float64, every other float in float32."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"`dtype` must be a float dtype, got {dtype!r}") from None
+    if dtype.kind != "f" and dtype.name != "bfloat16":
+        raise TypeError(f"`dtype` must be float32, float64, float16 or bfloat16, got {dtype}")
+    return 8 if dtype == np.float64 else 4
+
+
+def _cache_pair(cache):
+    """(L1d, L2) in bytes from a `cache` dict, or from this machine when None."""
+    caches = _cache_sizes() if cache is None else cache
+    try:
+        return _positive_int("cache['l1d']", caches["l1d"]), _positive_int("cache['l2']",
+                                                                              caches["l2"])
+    except (KeyError, TypeError) as exc:
+        if isinstance(exc, TypeError) and "must be an int" in str(exc):
+            raise
+        raise ValueError(f"`cache` must be a dict with keys 'l1d' and 'l2' (bytes), got "
+                         f"{cache!r}") from None
 
 
 def working_set_bytes(tiles, head_dim, dtype=np.float32, head_dim_v=None):

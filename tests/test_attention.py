@@ -207,3 +207,14 @@ def test_avx2_code_path(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "8"
+
+
+def test_huge_tiles_and_windows_are_the_unbounded_case(rng):
+    q, k, v = random_qkv(rng, (1, 2, 37, 16), (1, 2, 50, 16))
+    expected = cpuflash.attention(q, k, v, causal=True, tiles=(64, 64))
+    np.testing.assert_array_equal(cpuflash.attention(q, k, v, causal=True, tiles=(2**40, 10**12)),
+                                  expected)
+    for window in [(2**63 - 1, 2**63 - 1), (2**70, 0), (0, 2**63 - 1)]:
+        out = cpuflash.attention(q, k, v, window=window)
+        assert_close_to_reference(out, q, k, v, window=(min(window[0], 10**6),
+                                                         min(window[1], 10**6)))

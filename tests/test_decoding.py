@@ -187,6 +187,8 @@ def test_merge_states_is_exact(rng):
      r"`cu_seqlens_q` must be an integer array, got dtype float64"),
     (dict(cu_seqlens_q=np.zeros((2, 2), int), cu_seqlens_k=np.array([0, 5])), ValueError,
      r"`cu_seqlens_q` must be 1-D"),
+    (dict(cu_seqlens_q=np.array([0, 2**64 - 1, 5], np.uint64), cu_seqlens_k=np.array([0, 2, 5])),
+     ValueError, r"`cu_seqlens_q` values must be at most the number of rows \(5\), got 1844"),
 ])
 def test_varlen_rejects_bad_cu_seqlens(kwargs, exc, match):
     x = np.ones((5, 2, 8), np.float32)
@@ -222,8 +224,14 @@ def bad_cache_calls():
          r"`k` and `v` must be \(batch, kv heads, new, dim\)"),
         (dict(k_cache=ro, k=k, v=v, cache_seqlens=seqlens), ValueError,
          r"`k_cache` is read-only"),
-        (dict(num_splits=-1), ValueError, r"`num_splits` must be an int >= 0"),
-        (dict(num_splits=1.5), ValueError, r"`num_splits` must be an int >= 0"),
+        (dict(num_splits=-1), ValueError, r"`num_splits` must be >= 0 \(0 = automatic\), got -1"),
+        (dict(num_splits=1.5), TypeError, r"`num_splits` must be an int \(0 = automatic\)"),
+        (dict(v_cache=np.zeros((1, 2, 64, 48), np.float32), k=k, v=v, cache_seqlens=seqlens),
+         ValueError, r"`v_cache` has 1 batch entries but `k_cache` has 2"),
+        (dict(k_cache=pages, v_cache=pages[:2, ..., :48], block_table=table), ValueError,
+         r"`v_cache` has 2 pages but `k_cache` has 4"),
+        (dict(k=k, v=v), ValueError,
+         r"`cache_seqlens` must lie in \[0, 63\] .*got None \(a full cache\)"),
         (dict(k_cache=pages, v_cache=pages[..., :48], block_table=table[:1]), ValueError,
          r"`block_table` must have shape \(batch=2, max_pages\)"),
         (dict(k_cache=pages, v_cache=pages[..., :48], block_table=table + 2,

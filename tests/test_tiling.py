@@ -87,3 +87,24 @@ def test_band_tiles_follow_the_window():
     widths = [1, 17, 100, 257, 513, 1025, 5000]
     sizes = [tiling.fit_band(tiles, w) for w in widths]
     assert all(a.block_q <= b.block_q and a.block_k <= b.block_k for a, b in zip(sizes, sizes[1:]))
+
+
+@pytest.mark.parametrize("args,kwargs,exc,match", [
+    ((0,), {}, ValueError, r"`head_dim` must be >= 1, got 0"),
+    ((-4,), {}, ValueError, r"`head_dim` must be >= 1, got -4"),
+    (("x",), {}, TypeError, r"`head_dim` must be an int, got str"),
+    ((64, np.int32), {}, TypeError, r"`dtype` must be float32, float64, float16 or bfloat16"),
+    ((64, "nonsense"), {}, TypeError, r"`dtype` must be a float dtype"),
+    ((64,), {"cache": {"l1d": 32768}}, ValueError, r"`cache` must be a dict with keys"),
+    ((64,), {"cache": {"l1d": 0, "l2": 1}}, ValueError, r"`cache\['l1d'\]` must be >= 1"),
+])
+def test_choose_tiles_rejects_nonsense(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        cpuflash.choose_tiles(*args, **kwargs)
+
+
+def test_tiles_are_clamped_to_the_call():
+    assert tiling.clamp_tiles(cpuflash.TileConfig(10**12, 10**12), 100, 70) == \
+        cpuflash.TileConfig(100, 96)
+    tiles = cpuflash.TileConfig(64, 64)
+    assert tiling.clamp_tiles(tiles, 1000, 1000) is tiles
