@@ -35,6 +35,8 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
 ROWS = 6  # query rows per micro-tile
 DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum
+# 32 vector registers (AVX-512): room for the 24 accumulators of the wide micro-kernels
+WIDE = _simd.LANES_F32 == 16
 
 
 def lanes(arr):
@@ -92,15 +94,25 @@ def pack_key_panels(k, b, h, start, cols, k_panels, half):
 
 @jit
 def qk_tile(q_tile, k_panels, scores, rows, cols):
-    """scores[:rows, :cols] = q_tile[:rows] @ keys^T, panel by panel, ROWS rows at a time."""
+    """scores[:rows, :cols] = q_tile[:rows] @ keys^T, panel by panel, ROWS rows at a time
+    (two panels at a time where the CPU has 32 vector registers)."""
     w = k_panels.shape[2]
-    for panel in range((cols + w - 1) // w):
+    panels = (cols + w - 1) // w
+    panel = 0
+    while panel < panels:
+        wide = WIDE and panel + 1 < panels
         r = 0
         while r + ROWS <= rows:
-            _qk_micro6(q_tile, r, k_panels, panel, scores)
+            if wide:
+                _qk_micro6w(q_tile, r, k_panels, panel, scores)
+            else:
+                _qk_micro6(q_tile, r, k_panels, panel, scores)
             r += ROWS
         for r in range(r, rows):
             _qk_micro1(q_tile, r, k_panels, panel, scores)
+            if wide:
+                _qk_micro1(q_tile, r, k_panels, panel + 1, scores)
+        panel += 2 if wide else 1
 
 
 @jit
@@ -141,6 +153,44 @@ def _qk_micro6(q_tile, r, k_panels, panel, scores):
         _store_or_add(scores, out + 3 * sw, d0, d1, first)
         _store_or_add(scores, out + 4 * sw, e0, e1, first)
         _store_or_add(scores, out + 5 * sw, f0, f1, first)
+
+
+@jit
+def _qk_micro6w(q_tile, r, k_panels, panel, scores):
+    """Six rows x two panels (four vectors) of scores in 24 registers: each broadcast query
+    element feeds four FMAs instead of two. Same sums, in the same order, as `_qk_micro6`."""
+    d, w = q_tile.shape[1], k_panels.shape[2]
+    n = lanes(q_tile)
+    sw = scores.shape[1]
+    out = r * sw + panel * w
+    q = r * d
+    kp, kq = panel * d * w, (panel + 1) * d * w
+    for x0 in range(0, d, DOT_CHUNK):
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(q_tile)
+        d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(q_tile)
+        for x in range(x0, min(d, x0 + DOT_CHUNK)):
+            k0 = vload(k_panels, kp + x * w)
+            k1 = vload(k_panels, kp + x * w + n)
+            k2 = vload(k_panels, kq + x * w)
+            k3 = vload(k_panels, kq + x * w + n)
+            s = vbroadcast(q_tile, q + x)
+            a0, a1, a2, a3 = vfma(s, k0, a0), vfma(s, k1, a1), vfma(s, k2, a2), vfma(s, k3, a3)
+            s = vbroadcast(q_tile, q + d + x)
+            b0, b1, b2, b3 = vfma(s, k0, b0), vfma(s, k1, b1), vfma(s, k2, b2), vfma(s, k3, b3)
+            s = vbroadcast(q_tile, q + 2 * d + x)
+            c0, c1, c2, c3 = vfma(s, k0, c0), vfma(s, k1, c1), vfma(s, k2, c2), vfma(s, k3, c3)
+            s = vbroadcast(q_tile, q + 3 * d + x)
+            d0, d1, d2, d3 = vfma(s, k0, d0), vfma(s, k1, d1), vfma(s, k2, d2), vfma(s, k3, d3)
+            s = vbroadcast(q_tile, q + 4 * d + x)
+            e0, e1, e2, e3 = vfma(s, k0, e0), vfma(s, k1, e1), vfma(s, k2, e2), vfma(s, k3, e3)
+            s = vbroadcast(q_tile, q + 5 * d + x)
+            f0, f1, f2, f3 = vfma(s, k0, f0), vfma(s, k1, f1), vfma(s, k2, f2), vfma(s, k3, f3)
+        first = x0 == 0
+        for row, lo, hi, lo2, hi2 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
+                                      (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
+                                      (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+            _store_or_add(scores, out + row * sw, lo, hi, first)
+            _store_or_add(scores, out + row * sw + w, lo2, hi2, first)
 
 
 @jit
@@ -276,15 +326,24 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
 
 @jit
 def pv_tile(scores, v_tile, acc, alpha, rows, cols):
-    """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c], ROWS rows x two vectors at a time."""
+    """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c], ROWS rows x two vectors at a time
+    (four where the CPU has 32 vector registers)."""
     w = 2 * lanes(acc)
-    for x0 in range(0, acc.shape[1], w):
+    x0 = 0
+    while x0 < acc.shape[1]:
+        wide = WIDE and x0 + w < acc.shape[1]
         r = 0
         while r + ROWS <= rows:
-            _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols)
+            if wide:
+                _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols)
+            else:
+                _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols)
             r += ROWS
         for r in range(r, rows):
             _pv_micro1(scores, r, v_tile, x0, acc, alpha, cols)
+            if wide:
+                _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, cols)
+        x0 += 2 * w if wide else w
 
 
 @jit
@@ -316,6 +375,38 @@ def _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols):
     _rescale_add(acc, o + 3 * dvp, alpha[r + 3], d0, d1)
     _rescale_add(acc, o + 4 * dvp, alpha[r + 4], e0, e1)
     _rescale_add(acc, o + 5 * dvp, alpha[r + 5], f0, f1)
+
+
+@jit
+def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols):
+    """Six rows x four vectors of output columns in 24 registers: each broadcast probability
+    feeds four FMAs instead of two. Same sums, in the same order, as `_pv_micro6`."""
+    n = lanes(acc)
+    dvp, sw = acc.shape[1], scores.shape[1]
+    o = r * dvp + x0
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
+    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
+    p = r * sw
+    for c in range(cols):
+        row = c * dvp + x0
+        v0, v1 = vload(v_tile, row), vload(v_tile, row + n)
+        v2, v3 = vload(v_tile, row + 2 * n), vload(v_tile, row + 3 * n)
+        s = vbroadcast(scores, p + c)
+        a0, a1, a2, a3 = vfma(s, v0, a0), vfma(s, v1, a1), vfma(s, v2, a2), vfma(s, v3, a3)
+        s = vbroadcast(scores, p + sw + c)
+        b0, b1, b2, b3 = vfma(s, v0, b0), vfma(s, v1, b1), vfma(s, v2, b2), vfma(s, v3, b3)
+        s = vbroadcast(scores, p + 2 * sw + c)
+        c0, c1, c2, c3 = vfma(s, v0, c0), vfma(s, v1, c1), vfma(s, v2, c2), vfma(s, v3, c3)
+        s = vbroadcast(scores, p + 3 * sw + c)
+        d0, d1, d2, d3 = vfma(s, v0, d0), vfma(s, v1, d1), vfma(s, v2, d2), vfma(s, v3, d3)
+        s = vbroadcast(scores, p + 4 * sw + c)
+        e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
+        s = vbroadcast(scores, p + 5 * sw + c)
+        f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
+    for row, lo, hi, lo2, hi2 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
+                                  (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+        _rescale_add(acc, o + row * dvp, alpha[r + row], lo, hi)
+        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], lo2, hi2)
 
 
 @jit
