@@ -85,9 +85,6 @@ def _run_forward(call, seqs):
     longest_q, longest_k = int(seqs[:, 2].max()), int(seqs[:, 5].max())
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
-        left, right = call.window
-        if left >= 0 and right >= 0:  # a band: cost follows the visible pairs only in small tiles
-            tiles = tiling.fit_band(tiles, left + right + 1)
         tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
     tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,

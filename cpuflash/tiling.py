@@ -166,21 +166,6 @@ def split_for_threads(tiles, n_rows, n_heads_total, n_threads):
     return TileConfig(block_q, tiles.block_k) if block_q != tiles.block_q else tiles
 
 
-def fit_band(tiles, width):
-    """Shrink the tiles for a sliding window `width` keys wide (left + right + 1).
-
-    A tile of `block_q` rows computes about ``block_q * (width + block_q + block_k)`` scores of
-    which ``block_q * width`` are visible: large tiles on a narrow band mostly compute masked
-    scores, small ones run the micro-kernels less efficiently. Each block is kept to at most a
-    quarter of the band (not below 8 rows or one 32-key panel). Measured, window (256, 0) at
-    N = 16384, D = 128, B=1, H=8: 384 x 256 tiles gave 0.38x the GFLOP/s per visible pair of
-    plain causal attention; 64 x 64 (this rule) 0.53x, the best of the sizes tried (README).
-    """
-    block_q = min(tiles.block_q, max(ROW_GROUP, width // 4 // ROW_GROUP * ROW_GROUP))
-    block_k = min(tiles.block_k, max(KEY_PANEL, width // 4 // KEY_PANEL * KEY_PANEL))
-    return TileConfig(block_q, block_k)
-
-
 # -- reading the machine ------------------------------------------------------------------------
 
 _SIZE_UNITS = {"K": KiB, "M": MiB, "G": 1024 * MiB}

@@ -79,16 +79,6 @@ def test_cpu_info_reports_the_machine():
     assert isinstance(info["simd"], list) and isinstance(info["model"], str)
 
 
-def test_band_tiles_follow_the_window():
-    tiles = cpuflash.TileConfig(384, 256)
-    assert tiling.fit_band(tiles, 257) == cpuflash.TileConfig(64, 64)
-    assert tiling.fit_band(tiles, 1) == cpuflash.TileConfig(8, 32)
-    assert tiling.fit_band(tiles, 100_000) == tiles
-    widths = [1, 17, 100, 257, 513, 1025, 5000]
-    sizes = [tiling.fit_band(tiles, w) for w in widths]
-    assert all(a.block_q <= b.block_q and a.block_k <= b.block_k for a, b in zip(sizes, sizes[1:]))
-
-
 @pytest.mark.parametrize("args,kwargs,exc,match", [
     ((0,), {}, ValueError, r"`head_dim` must be >= 1, got 0"),
     ((-4,), {}, ValueError, r"`head_dim` must be >= 1, got -4"),

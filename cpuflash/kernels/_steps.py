@@ -34,6 +34,7 @@ from ._convert import narrow, widen
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
 ROWS = 6  # query rows per micro-tile
+UNBOUNDED = 1 << 40  # a band edge that no tile reaches
 DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum
 # 32 vector registers (AVX-512): room for the 24 accumulators of the wide micro-kernels
 WIDE = _simd.LANES_F32 == 16
@@ -93,25 +94,33 @@ def pack_key_panels(k, b, h, start, cols, k_panels, half):
 
 
 @jit
-def qk_tile(q_tile, k_panels, scores, rows, cols):
+def qk_tile(q_tile, k_panels, scores, rows, cols, lo_off, hi_off):
     """scores[:rows, :cols] = q_tile[:rows] @ keys^T, panel by panel, ROWS rows at a time
-    (two panels at a time where the CPU has 32 vector registers)."""
+    (two panels at a time where the CPU has 32 vector registers).
+
+    Row r sees tile columns r + lo_off .. r + hi_off (a window band; +-UNBOUNDED when it sees
+    them all): panels that no row of a row group can see are skipped, and their scores are
+    left for the band mask to overwrite.
+    """
     w = k_panels.shape[2]
     panels = (cols + w - 1) // w
     panel = 0
     while panel < panels:
         wide = WIDE and panel + 1 < panels
+        last = (panel + 2) * w - 1 if wide else (panel + 1) * w - 1  # last column covered
         r = 0
         while r + ROWS <= rows:
-            if wide:
-                _qk_micro6w(q_tile, r, k_panels, panel, scores)
-            else:
-                _qk_micro6(q_tile, r, k_panels, panel, scores)
+            if last >= r + lo_off and panel * w <= r + ROWS - 1 + hi_off:
+                if wide:
+                    _qk_micro6w(q_tile, r, k_panels, panel, scores)
+                else:
+                    _qk_micro6(q_tile, r, k_panels, panel, scores)
             r += ROWS
         for r in range(r, rows):
-            _qk_micro1(q_tile, r, k_panels, panel, scores)
-            if wide:
-                _qk_micro1(q_tile, r, k_panels, panel + 1, scores)
+            if last >= r + lo_off and panel * w <= r + hi_off:
+                _qk_micro1(q_tile, r, k_panels, panel, scores)
+                if wide:
+                    _qk_micro1(q_tile, r, k_panels, panel + 1, scores)
         panel += 2 if wide else 1
 
 
@@ -271,12 +280,16 @@ def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult):
 
 @jit
 def band_mask_tile(scores, rows, cols, offset, left, right):
-    """Hide keys outside the band left/right of the diagonal (causal is right = 0)."""
+    """Hide keys outside the band left/right of the diagonal (causal is right = 0): per row, two
+    runs of -inf, before and after the visible columns."""
     for r in range(rows):
         diag = r + offset  # the tile column under row r's diagonal
-        for c in range(cols):
-            if (left >= 0 and c < diag - left) or (right >= 0 and c > diag + right):
-                scores[r, c] = -np.inf
+        first = min(cols, max(0, diag - left)) if left >= 0 else 0
+        end = min(cols, max(0, diag + right + 1)) if right >= 0 else cols
+        for c in range(first):
+            scores[r, c] = -np.inf
+        for c in range(max(first, end), cols):
+            scores[r, c] = -np.inf
 
 
 @jit
@@ -325,36 +338,42 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
 
 
 @jit
-def pv_tile(scores, v_tile, acc, alpha, rows, cols):
+def pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off):
     """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c], ROWS rows x two vectors at a time
-    (four where the CPU has 32 vector registers)."""
+    (four where the CPU has 32 vector registers).
+
+    Row r sees columns r + lo_off .. r + hi_off (see `qk_tile`): a row group sums only over the
+    keys some of its rows can see. P is exactly 0 elsewhere, so the sums are unchanged.
+    """
     w = 2 * lanes(acc)
     x0 = 0
     while x0 < acc.shape[1]:
         wide = WIDE and x0 + w < acc.shape[1]
         r = 0
         while r + ROWS <= rows:
+            key0, key1 = max(0, r + lo_off), min(cols, r + ROWS + hi_off)
             if wide:
-                _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols)
+                _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1)
             else:
-                _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols)
+                _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1)
             r += ROWS
         for r in range(r, rows):
-            _pv_micro1(scores, r, v_tile, x0, acc, alpha, cols)
+            key0, key1 = max(0, r + lo_off), min(cols, r + 1 + hi_off)
+            _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1)
             if wide:
-                _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, cols)
+                _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, key0, key1)
         x0 += 2 * w if wide else w
 
 
 @jit
-def _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols):
+def _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1):
     """Six rows x two vectors of output columns, rescaled by alpha on load, summed over keys."""
     n = lanes(acc)
     dvp, sw = acc.shape[1], scores.shape[1]
     o = r * dvp + x0
     a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
     p = r * sw
-    for c in range(cols):
+    for c in range(key0, key1):
         v0 = vload(v_tile, c * dvp + x0)
         v1 = vload(v_tile, c * dvp + x0 + n)
         s = vbroadcast(scores, p + c)
@@ -378,7 +397,7 @@ def _pv_micro6(scores, r, v_tile, x0, acc, alpha, cols):
 
 
 @jit
-def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols):
+def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1):
     """Six rows x four vectors of output columns in 24 registers: each broadcast probability
     feeds four FMAs instead of two. Same sums, in the same order, as `_pv_micro6`."""
     n = lanes(acc)
@@ -387,7 +406,7 @@ def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
     d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
     p = r * sw
-    for c in range(cols):
+    for c in range(key0, key1):
         row = c * dvp + x0
         v0, v1 = vload(v_tile, row), vload(v_tile, row + n)
         v2, v3 = vload(v_tile, row + 2 * n), vload(v_tile, row + 3 * n)
@@ -410,14 +429,14 @@ def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, cols):
 
 
 @jit
-def _pv_micro1(scores, r, v_tile, x0, acc, alpha, cols):
+def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
     """One row x two vectors: the remainder rows of a tile."""
     n = lanes(acc)
     dvp = acc.shape[1]
     o = r * dvp + x0
     a0 = a1 = vzeros(acc)
     p = r * scores.shape[1]
-    for c in range(cols):
+    for c in range(key0, key1):
         s = vbroadcast(scores, p + c)
         a0 = vfma(s, vload(v_tile, c * dvp + x0), a0)
         a1 = vfma(s, vload(v_tile, c * dvp + x0 + n), a1)

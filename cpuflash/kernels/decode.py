@@ -203,7 +203,7 @@ def _pv_block(scores, v_cache, block_table, b, h, start, cols, page_size, offset
 def _pv_from_copy(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
                   acc, alpha, rows, half):
     _gather_rows(v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile, half)
-    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, -_steps.UNBOUNDED, _steps.UNBOUNDED)
 
 
 @overload(_pv_block, jit_options=OPTIONS)

@@ -41,7 +41,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
                 _steps.pack_rows(q, b, h, q0, rows, q_tile, 0)
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, -_steps.UNBOUNDED,
+                               _steps.UNBOUNDED)
                 _steps.scale_tile(scores, rows, cols, qk_scale)
                 if causal and kb + cols - 1 > q0 + shift:
                     _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right)
@@ -53,7 +54,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                     for x in range(dv):
                         acc[r, x] = out[b, h, q0 + r, x] * tile_sum[r]
                 _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols)
-                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, -_steps.UNBOUNDED,
+                               _steps.UNBOUNDED)
                 for r in range(rows):
                     norm = 1.0 / tile_sum[r] if tile_sum[r] != 0 else 0.0
                     for x in range(dv):

@@ -70,9 +70,16 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 _steps.pack_key_panels(k, bk, hk, k_start + kb, cols, k_panels, half)
                 _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, half)
 
+                # -- the band of this block each row sees (tile columns r + lo .. r + hi); blocks
+                # inside it need no element masks, and on its edges whole panels are skipped
+                inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
+                          and (right < 0 or kb + cols - 1 <= diag0 + right))
+                lo = diag0 - kb - left if left >= 0 and not inside else -_steps.UNBOUNDED
+                hi = diag0 - kb + right if right >= 0 and not inside else _steps.UNBOUNDED
+
                 # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
                 # query element, and float64 then misses the accuracy rule on large logits
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols)
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, lo, hi)
                 _steps.scale_tile(scores, rows, cols, s_mult)
 
                 # -- score modifiers, in the order of the score pipeline
@@ -84,8 +91,6 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                     _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0)
 
                 # -- visibility: only blocks that cross a band edge pay for element masks
-                inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
-                          and (right < 0 or kb + cols - 1 <= diag0 + right))
                 if not inside:
                     _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right)
                 if has_mask:
@@ -95,7 +100,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
 
                 # -- acc = alpha * acc + P V
-                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols)
+                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo, hi)
 
             # -- normalize once, write each output row once
             sink = sinks[h] if has_sinks else -np.inf
