@@ -302,7 +302,7 @@ def bool_mask_tile(scores, mask, bb, h, q0, kb, rows, cols):
 
 
 @jit
-def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
+def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
     """Online softmax over one key block: scores become P = exp(s - new max).
 
     alpha[r] = exp(old max - new max) is the factor that rescales what row r accumulated so
@@ -311,17 +311,25 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
     every score so far is -inf keeps max -inf and uses 0 as its shift, so it produces zeros
     rather than NaN; a NaN score makes its row max NaN and so its output NaN. Scores past
     `cols` in the last vector are set to -inf first, so whole vectors can be used.
+
+    Row r sees columns r + lo_off .. r + hi_off (see `qk_tile`): only the vectors covering them
+    are exponentiated; P is set to 0 on the rest of the columns that `pv_tile` reads for the
+    row's group (the others' exponentials would be exactly 0, so the sums are unchanged).
     """
     n = lanes(scores)
     sw = scores.shape[1]
     width = (cols + n - 1) // n * n
     log2e = vsplat(LOG2E, scores)
+    full_groups = rows - rows % ROWS
     for r in range(rows):
         for c in range(cols, width):
             scores[r, c] = -np.inf
         base = r * sw
-        top = vload(scores, base)
-        for c in range(n, width, n):
+        # the vectors covering this row's visible columns
+        first = max(0, r + lo_off) // n * n
+        end = min(width, (max(0, r + hi_off + 1) + n - 1) // n * n)
+        top = vsplat(-np.inf, scores)
+        for c in range(first, end, n):
             top = vmax(top, vload(scores, base + c))
         block_max = vhmax(top)
         new_max = block_max if block_max > row_max[r] or block_max != block_max else row_max[r]
@@ -329,12 +337,19 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols):
         alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
         shift_v = vsplat(shift, scores)
         total = vzeros(scores)
-        for c in range(0, width, n):
+        for c in range(first, end, n):
             p = vexp2(vmul(vsub(vload(scores, base + c), shift_v), log2e))
             vstore(scores, base + c, p)
             total = vadd(total, p)
         row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
         row_max[r] = new_max
+        # zeros where the row's group reads keys this row cannot see (pv_tile's key range)
+        group = r - r % ROWS if r < full_groups else r
+        span = ROWS if r < full_groups else 1
+        for c in range(max(0, group + lo_off), min(first, cols)):
+            scores[r, c] = 0.0
+        for c in range(max(end, 0), min(cols, group + span + hi_off)):
+            scores[r, c] = 0.0
 
 
 @jit

@@ -83,7 +83,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right)
 
             # -- online softmax and acc = alpha * acc + P V, as in the forward kernel
-            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
+            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols,
+                                  -_steps.UNBOUNDED, _steps.UNBOUNDED)
             _pv_block(scores, v_cache, block_table, b, hk, kb, cols, page_size, offsets, v_tile,
                       acc, alpha, rows, half)
 

@@ -53,7 +53,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                     tile_sum[r] = row_sum[q0 + r]
                     for x in range(dv):
                         acc[r, x] = out[b, h, q0 + r, x] * tile_sum[r]
-                _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols)
+                _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols,
+                                      -_steps.UNBOUNDED, _steps.UNBOUNDED)
                 _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, -_steps.UNBOUNDED,
                                _steps.UNBOUNDED)
                 for r in range(rows):

@@ -97,7 +97,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                     _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
-                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols)
+                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo, hi)
 
                 # -- acc = alpha * acc + P V
                 _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo, hi)
