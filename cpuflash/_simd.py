@@ -34,7 +34,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vstore", "vbroadcast", "vsplat", "vzeros",
-    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vexp2", "vtanh",
+    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsum4", "vexp2", "vtanh",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -319,6 +319,53 @@ def vhsum(typingctx, vec):
     """Sum of the lanes of `vec`, added as a pairwise tree (halves onto halves)."""
     _same_vec(vec)
     return vec.dtype(vec), lambda context, builder, sig, args: _reduce(builder, args[0], _add)
+
+
+@intrinsic
+def vstore_hsum4(typingctx, arr, i, a, b, c, d):
+    """Store the lane sums of four vectors at `arr[i : i + 4]`, each bit for bit `vhsum`'s.
+
+    The four pairwise trees share their shuffles: the first two levels fold two vectors at a
+    time into one, the rest fold within quarters, so four sums cost about what one `vhsum` does
+    twice. For the dot products of the decode kernel, which end in one sum per (row, key).
+    """
+    _array_vec(arr, "arr", writable=True)
+    _check_index(i)
+    vec = _same_vec(a, b, c, d)
+    if vec.lanes < 4:
+        raise errors.TypingError("vstore_hsum4 needs vectors of at least 4 lanes")
+
+    def codegen(context, builder, sig, args):
+        a, b, c, d = args[2:]
+        n = vec.lanes
+        half, quarter = n // 2, n // 4
+
+        def fold_pair(x, y):  # [x_lo + x_hi, y_lo + y_hi]
+            lo = builder.shuffle_vector(x, y, _lane_mask(list(range(half))
+                                                        + list(range(n, n + half))))
+            hi = builder.shuffle_vector(x, y, _lane_mask(list(range(half, n))
+                                                        + list(range(n + half, 2 * n))))
+            return builder.fadd(lo, hi)
+
+        ab, cd = fold_pair(a, b), fold_pair(c, d)
+        lows = [k for start in (0, half) for k in range(start, start + quarter)]
+        highs = [k + quarter for k in lows]
+        z = builder.fadd(
+            builder.shuffle_vector(ab, cd, _lane_mask(lows + [k + n for k in lows])),
+            builder.shuffle_vector(ab, cd, _lane_mask(highs + [k + n for k in highs])))
+        span = quarter // 2
+        while span >= 1:  # within each quarter: lane k + lane k ^ span
+            z = builder.fadd(z, builder.shuffle_vector(z, z, _lane_mask([k ^ span
+                                                                          for k in range(n)])))
+            span //= 2
+        ptr = _element_ptr(context, builder, sig, args)
+        for lane in range(4):
+            value = builder.extract_element(z, ir.Constant(_I32, lane * quarter))
+            target = builder.gep(ptr, [ir.Constant(ir.IntType(64), lane)], inbounds=True)
+            builder.store(value, target)
+        return context.get_dummy_value()
+
+    return types.void(arr, i, a, b, c, d), codegen
 
 
 # -- exp2

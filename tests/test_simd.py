@@ -16,7 +16,7 @@ from numba.core.errors import TypingError
 from cpuflash import _simd
 from cpuflash._simd import (
     LANES_F32, LANES_F64, lanes_for, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax,
-    vmul, vsplat, vstore, vsub, vtanh, vzeros,
+    vmul, vsplat, vstore, vstore_hsum4, vsub, vtanh, vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -310,3 +310,22 @@ def test_tanh_is_float32_only():
 
     with pytest.raises(TypingError, match="vtanh takes float32 vectors"):
         tanh64(np.zeros(LANES_F64))
+
+
+@numba.njit(cache=True)
+def _hsum4_both(x, out, ref):
+    for i in range(0, x.shape[0], 4):
+        vstore_hsum4(out, i, vload(x[i], 0), vload(x[i + 1], 0), vload(x[i + 2], 0),
+                     vload(x[i + 3], 0))
+        for j in range(4):
+            ref[i + j] = vhsum(vload(x[i + j], 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_four_sums_share_a_tree_and_equal_vhsum_bit_for_bit(rng, dtype):
+    x = (rng.standard_normal((64, lanes_for(dtype))) * 1e3).astype(dtype)
+    out, ref = np.zeros(64, dtype), np.zeros(64, dtype)
+    _hsum4_both(x, out, ref)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_allclose(out, x.astype(np.float64).sum(axis=1), rtol=1e-5 if dtype ==
+                               np.float32 else 1e-13, atol=1e-3 if dtype == np.float32 else 1e-9)

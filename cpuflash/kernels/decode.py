@@ -22,7 +22,7 @@ from numba import prange, types
 from numba.extending import overload
 
 from .._jit import OPTIONS, Kernel, array, jit
-from .._simd import vbroadcast, vfma, vhsum, vload, vsplat, vstore, vzeros
+from .._simd import vbroadcast, vfma, vhsum, vload, vsplat, vstore, vstore_hsum4, vzeros
 from . import _steps
 from ._convert import widen
 
@@ -254,7 +254,7 @@ def _dot_rows(q_rows, keys, offsets, scores, rows, cols):
     are zero-padded to whole vectors and so must the key rows be, or D a multiple of them).
 
     Four keys at a time: four independent FMA chains per query row, one load of each query
-    vector for all four.
+    vector for all four, and one shared reduction tree for the four sums.
     """
     n = _steps.lanes(q_rows)
     dp = q_rows.shape[1]
@@ -269,10 +269,7 @@ def _dot_rows(q_rows, keys, offsets, scores, rows, cols):
                 s1 = vfma(qx, vload(keys, k1 + x), s1)
                 s2 = vfma(qx, vload(keys, k2 + x), s2)
                 s3 = vfma(qx, vload(keys, k3 + x), s3)
-            scores[r, c] = vhsum(s0)
-            scores[r, c + 1] = vhsum(s1)
-            scores[r, c + 2] = vhsum(s2)
-            scores[r, c + 3] = vhsum(s3)
+            vstore_hsum4(scores, r * scores.shape[1] + c, s0, s1, s2, s3)
         c += 4
     for c in range(c, cols):
         for r in range(rows):
