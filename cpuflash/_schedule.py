@@ -34,8 +34,9 @@ def varlen_table(cu_q, cu_k):
     return seqs
 
 
-def work_items(seqs, n_heads, block_q, window, block_k=1):
-    """All (sequence, head, first row) items and the number of query-key pairs each may see."""
+def work_items(seqs, n_heads, block_q, window, block_k):
+    """All (sequence, head, first row) items and the number of query-key pairs each may see
+    (key blocks start at multiples of `block_k`, as in the kernel)."""
     n_q, n_k = seqs[:, 2], seqs[:, 5]
     blocks = -(-n_q // block_q)
     seq = np.repeat(np.arange(len(seqs)), blocks)

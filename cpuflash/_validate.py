@@ -540,15 +540,18 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         sinks=sinks_arr, tiles=None, **_no_operand(batch, cdtype))
 
 
+def cache_slots(call, b, positions):
+    """(pages, rows) of key positions of batch entry b: index the cache as [pages, :, rows]."""
+    return call.block_table[b, positions // call.page_rows], positions % call.page_rows
+
+
 def write_new_keys(call):
     """Write the validated new keys and values into the cache (in place), then forget them."""
     if call.new_k is None:
         return
     n_new = call.new_k.shape[2]
     for b in range(call.batch):
-        positions = call.seqlens[b] + np.arange(n_new)
-        pages = call.block_table[b, positions // call.page_rows]
-        rows = positions % call.page_rows
+        pages, rows = cache_slots(call, b, call.seqlens[b] + np.arange(n_new))
         # (new, heads, dim) <- (heads, new, dim)
         call.k_cache_user[pages, :, rows, :] = np.swapaxes(call.new_k[b], 0, 1)
         call.v_cache_user[pages, :, rows, :] = np.swapaxes(call.new_v[b], 0, 1)

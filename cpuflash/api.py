@@ -250,9 +250,7 @@ def _gather_pages(call):
     for cache in (call.k_cache_user, call.v_cache_user):
         dense = np.zeros((call.batch, cache.shape[1], n_max, cache.shape[3]), dtype=cache.dtype)
         for b in range(call.batch):
-            positions = np.arange(call.n_keys[b])
-            pages = call.block_table[b, positions // call.page_rows]
-            dense[b, :, :call.n_keys[b]] = np.swapaxes(cache[pages, :, positions % call.page_rows],
-                                                       0, 1)
+            pages, rows = _validate.cache_slots(call, b, np.arange(call.n_keys[b]))
+            dense[b, :, :call.n_keys[b]] = np.swapaxes(cache[pages, :, rows], 0, 1)
         gathered.append(_validate.kernel_view(dense))
     return gathered

@@ -156,14 +156,10 @@ def _gather_rows_impl(cache, block_table, b, h, start, cols, page_size, offsets,
     return copy_rows
 
 
+@jit
 def _direct(cache, like):
     """Whether the kernel reads the (float) `cache` rows in place: contiguous, whole vectors."""
-
-
-@overload(_direct, jit_options=OPTIONS)
-def _direct_impl(cache, like):
-    return lambda cache, like: (cache.strides[3] == cache.itemsize
-                                and cache.shape[3] % _steps.lanes(like) == 0)
+    return cache.strides[3] == cache.itemsize and cache.shape[3] % _steps.lanes(like) == 0
 
 
 def _qk_block(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
