@@ -720,4 +720,3 @@ def write_plot(report, path):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True, f"wrote {path}"
-

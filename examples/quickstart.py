@@ -38,7 +38,8 @@ def main(argv=None):
     plain = float(np.abs(attention_reference(q, k, v, causal=True, dtype=np.float32) - ref).max())
     flops = 4 * batch * heads * (n * (n + 1) // 2) * d  # causal: visible pairs only
     print(f"cpuflash.attention  B={batch} H={heads} N={n} D={d} causal float32")
-    print(f"  first call {first:.2f} s, then {best * 1e3:.1f} ms = {flops / best / 1e9:.0f} GFLOP/s")
+    print(f"  first call {first:.2f} s, then {best * 1e3:.1f} ms "
+          f"= {flops / best / 1e9:.0f} GFLOP/s")
     print(f"  max error vs float64 reference {err:.2e} (plain float32 numpy: {plain:.2e})")
     if not err <= 2 * plain + 1e-6:
         raise SystemExit("FAILED: error above the accuracy rule")

@@ -51,8 +51,6 @@ def _lanes(arr):
     return lambda arr: n
 
 
-
-
 @jit
 def tile_buffers(block_q, block_k, d, dv, like):
     """Zeroed q_tile, k_panels, v_tile, scores and acc of one thread, in `like`'s dtype."""

@@ -12,7 +12,8 @@ The softmax runs on the vectorized `exp2` of the SIMD layer: `exp(s - max)` is c
 
 Sequences are described by a table so that batched input, packed (varlen) input and KV caches
 share this kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and
-sequence ``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and ``k[batch_k, :, k_start:k_start+n_k]``.
+sequence ``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and
+``k[batch_k, :, k_start:k_start+n_k]``.
 Per-sequence operands (ALiBi slopes, the rows of bias and mask) are indexed by ``s``.
 """
 
