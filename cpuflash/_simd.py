@@ -33,8 +33,9 @@ from numba.core import codegen, config, errors, types
 from numba.extending import intrinsic, models, register_model
 
 __all__ = [
-    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vstore", "vbroadcast", "vsplat", "vzeros",
-    "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsum4", "vexp2", "vtanh",
+    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vstore",
+    "vbroadcast", "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum",
+    "vstore_hsums", "vexp2", "vtanh", "prefetch",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -200,6 +201,44 @@ def vload(typingctx, arr, i):
     return vec(arr, i), codegen
 
 
+def _half_load(name, widen_bits):
+    """An intrinsic loading `lanes` uint16 elements of a half-precision format as float32."""
+    vec = _VEC[types.float32]
+
+    def load(typingctx, arr, i):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint16):
+            raise errors.TypingError("`arr` must be a uint16 array (%s bits), got %s"
+                                     % (name, arr))
+        _check_index(i)
+
+        def codegen(context, builder, sig, args):
+            bits_type = ir.VectorType(ir.IntType(16), vec.lanes)
+            ptr = _element_ptr(context, builder, sig, args, bits_type)
+            return widen_bits(builder, builder.load(ptr, align=2), vec.lanes)
+
+        return vec(arr, i), codegen
+
+    load.__name__ = "vload_" + name
+    load.__doc__ = "Load `arr[i : i + lanes]`, the bits of %s numbers, as a float32 vector " \
+        "(exactly: every %s is a float32)." % (name, name)
+    return intrinsic(load)
+
+
+def _widen_f16(builder, bits, lanes):  # fpext from half: one vcvtph2ps with F16C
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)),
+                         ir.VectorType(ir.FloatType(), lanes))
+
+
+def _widen_bf16(builder, bits, lanes):  # bfloat16 is the top half of a float32
+    wide = builder.zext(bits, ir.VectorType(_I32, lanes))
+    return builder.bitcast(builder.shl(wide, _const(wide.type, 16)),
+                           ir.VectorType(ir.FloatType(), lanes))
+
+
+vload_f16 = _half_load("float16", _widen_f16)
+vload_bf16 = _half_load("bfloat16", _widen_bf16)
+
+
 @intrinsic
 def vstore(typingctx, arr, i, vec):
     """Store `vec` into `arr[i : i + lanes]` (unaligned)."""
@@ -322,50 +361,66 @@ def vhsum(typingctx, vec):
 
 
 @intrinsic
-def vstore_hsum4(typingctx, arr, i, a, b, c, d):
-    """Store the lane sums of four vectors at `arr[i : i + 4]`, each bit for bit `vhsum`'s.
+def vstore_hsums(typingctx, arr, i, stride, vecs):
+    """Store the lane sums of a tuple of ``4 * R`` vectors as R rows of four:
+    ``arr[i + r * stride + c] = vhsum(vecs[4 * r + c])``, each bit for bit `vhsum`'s.
 
-    The four pairwise trees share their shuffles: the first two levels fold two vectors at a
-    time into one, the rest fold within quarters, so four sums cost about what one `vhsum` does
-    twice. For the dot products of the decode kernel, which end in one sum per (row, key).
+    The pairwise trees of all the sums share their shuffles: each level folds two vectors into
+    one, adding the halves of blocks of lanes as `vhsum` adds the halves of a vector, so 16 sums
+    of 16 lanes cost 15 folds (about what two `vhsum` calls cost per sum saved). For the dot
+    products of the decode kernel, which end in one sum per (query row, key).
     """
     _array_vec(arr, "arr", writable=True)
     _check_index(i)
-    vec = _same_vec(a, b, c, d)
-    if vec.lanes < 4:
-        raise errors.TypingError("vstore_hsum4 needs vectors of at least 4 lanes")
+    _check_index(stride)
+    if not (isinstance(vecs, types.UniTuple) and isinstance(vecs.dtype, Vec)
+            and vecs.dtype.dtype == arr.dtype and len(vecs) % 4 == 0):
+        raise errors.TypingError("`vecs` must be a tuple of 4 * R vectors of %s, got %s"
+                                 % (arr.dtype, vecs))
+    vec = vecs.dtype
 
     def codegen(context, builder, sig, args):
-        a, b, c, d = args[2:]
-        n = vec.lanes
-        half, quarter = n // 2, n // 4
-
-        def fold_pair(x, y):  # [x_lo + x_hi, y_lo + y_hi]
-            lo = builder.shuffle_vector(x, y, _lane_mask(list(range(half))
-                                                        + list(range(n, n + half))))
-            hi = builder.shuffle_vector(x, y, _lane_mask(list(range(half, n))
-                                                        + list(range(n + half, 2 * n))))
-            return builder.fadd(lo, hi)
-
-        ab, cd = fold_pair(a, b), fold_pair(c, d)
-        lows = [k for start in (0, half) for k in range(start, start + quarter)]
-        highs = [k + quarter for k in lows]
-        z = builder.fadd(
-            builder.shuffle_vector(ab, cd, _lane_mask(lows + [k + n for k in lows])),
-            builder.shuffle_vector(ab, cd, _lane_mask(highs + [k + n for k in highs])))
-        span = quarter // 2
-        while span >= 1:  # within each quarter: lane k + lane k ^ span
-            z = builder.fadd(z, builder.shuffle_vector(z, z, _lane_mask([k ^ span
-                                                                          for k in range(n)])))
-            span //= 2
-        ptr = _element_ptr(context, builder, sig, args)
-        for lane in range(4):
-            value = builder.extract_element(z, ir.Constant(_I32, lane * quarter))
-            target = builder.gep(ptr, [ir.Constant(ir.IntType(64), lane)], inbounds=True)
-            builder.store(value, target)
+        n, i64 = vec.lanes, ir.IntType(64)
+        # each vector with, per lane, which of the input vectors its partial sum belongs to
+        level = [(builder.extract_value(args[3], k), [k] * n) for k in range(len(vecs))]
+        half = n // 2
+        while half >= 1:
+            if len(level) % 2:  # an odd one out folds with itself (its lanes then appear twice)
+                level.append(level[-1])
+            lo = [k for j in range(0, n, 2 * half)
+                  for k in list(range(j, j + half)) + list(range(n + j, n + j + half))]
+            hi = [k + half for k in lo]
+            folded = []
+            for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2]):
+                summed = builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
+                                      builder.shuffle_vector(x, y, _lane_mask(hi)))
+                folded.append((summed, [(x_of + y_of)[k] for k in lo]))
+            level, half = folded, half // 2
+        where = {}  # input vector -> (folded vector, lane) holding its whole sum
+        for v, (_, owners) in enumerate(level):
+            for lane, owner in enumerate(owners):
+                where[owner] = (v, lane)
+        base = _element_ptr(context, builder, sig, args)
+        stride_value = context.cast(builder, args[2], sig.args[2], types.int64)
+        quad = ir.VectorType(_LL_FLOAT[vec.dtype], 4)
+        for r in range(len(vecs) // 4):
+            spots = [where[4 * r + c] for c in range(4)]
+            ptr = builder.gep(base, [builder.mul(stride_value, ir.Constant(i64, r))],
+                              inbounds=True)
+            sources = sorted({v for v, _ in spots})
+            if len(sources) <= 2:  # one shuffle gathers the row's four sums
+                x, y = level[sources[0]][0], level[sources[-1]][0]
+                row = builder.shuffle_vector(x, y, _lane_mask(
+                    [lane + n * sources.index(v) for v, lane in spots]))
+                builder.store(row, builder.bitcast(ptr, quad.as_pointer()),
+                              align=vec.dtype.bitwidth // 8)
+                continue
+            for c, (v, lane) in enumerate(spots):
+                value = builder.extract_element(level[v][0], ir.Constant(_I32, lane))
+                builder.store(value, builder.gep(ptr, [ir.Constant(i64, c)], inbounds=True))
         return context.get_dummy_value()
 
-    return types.void(arr, i, a, b, c, d), codegen
+    return types.void(arr, i, stride, vecs), codegen
 
 
 # -- exp2
@@ -473,3 +528,31 @@ def vtanh(typingctx, vec):
         raise errors.TypingError("vtanh takes float32 vectors, got %s" % vec)
     return vec(vec), lambda context, builder, sig, args: _tanh(builder, args[0])
 
+
+@intrinsic
+def prefetch(typingctx, arr, i):
+    """Hint the CPU to bring the cache line holding `arr[i]` into the caches (for reading).
+
+    For a loop that streams two arrays in turns, where the hardware prefetcher starts each turn
+    cold. No effect on results; `i` may be past the end of the array (a prefetch never faults,
+    and the address is computed without LLVM's in-bounds assumption). Any array dtype.
+    """
+    if not isinstance(arr, types.Array):
+        raise errors.TypingError("`arr` must be an array, got %s" % arr)
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        (arrty, ity), (arr, i) = sig.args, args
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        ptr = builder.gep(data, [context.cast(builder, i, ity, types.intp)])  # may be past the end
+        ptr = builder.bitcast(ptr, ir.IntType(8).as_pointer())
+        name = "llvm.prefetch.p0"
+        fn = builder.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(builder.module, ir.FunctionType(
+                ir.VoidType(), [ptr.type, _I32, _I32, _I32]), name)
+        # read, keep in all levels (locality 3), data cache
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, i), codegen

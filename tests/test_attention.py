@@ -194,6 +194,13 @@ plain = attention_reference(q, k[:, :2], v[:, :2], dtype=np.float32, **kwargs)
 assert np.abs(out - ref).max() <= 2 * np.abs(plain - ref).max() + 1e-6
 dec = cpuflash.attention_with_kvcache(q[:, :, :1], k, v, num_splits=3)
 assert np.allclose(dec, attention_reference(q[:, :, :1], k, v, causal=True), atol=1e-5)
+# decoding with rows read in place: 4-lane float64 sums, float16 bits widened as loaded
+for dtype in (np.float64, np.float16):
+    qd, kd, vd = (rng.standard_normal((1, h, n, 64)).astype(dtype) for h, n in
+                  ((8, 1), (2, 300), (2, 300)))
+    dec = cpuflash.attention_with_kvcache(qd, kd, vd)
+    ref = attention_reference(qd, kd, vd, causal=True)
+    assert np.allclose(dec.astype(np.float64), ref, atol=2e-3 if dtype == np.float16 else 1e-12)
 print(simd.LANES_F32)
 """
 

@@ -141,15 +141,20 @@ def test_bshd_cache_layout(rng):
     np.testing.assert_allclose(np.swapaxes(got, 1, 2), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_half_precision_cache(rng):
-    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, dtype=np.float16, n_max=600)
+@pytest.mark.parametrize("which", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 40])  # rows read in place (widened as loaded) / copied
+def test_half_precision_cache(rng, which, d):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    dtype = np.dtype(np.float16 if which == "float16" else ml_dtypes.bfloat16)
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, dtype=dtype, n_max=600, d=d, hq=8,
+                                                    hk=1)
     out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
                                                cache_seqlens=seqlens, return_lse=True)
-    assert out.dtype == np.float16 and lse.dtype == np.float32
+    assert out.dtype == dtype and lse.dtype == np.float32
     for b in range(3):
         n = seqlens[b] + 1
         assert_close_to_reference(out[b], q[b], k_cache[b, :, :n], v_cache[b, :, :n],
-                                  lse=lse[b], causal=True, plain_dtype=np.float16)
+                                  lse=lse[b], causal=True, plain_dtype=dtype)
 
 
 def test_split_results_do_not_depend_on_split_count_beyond_rounding(rng):

@@ -15,8 +15,8 @@ from numba.core.errors import TypingError
 
 from cpuflash import _simd
 from cpuflash._simd import (
-    LANES_F32, LANES_F64, lanes_for, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax,
-    vmul, vsplat, vstore, vstore_hsum4, vsub, vtanh, vzeros,
+    LANES_F32, LANES_F64, lanes_for, prefetch, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
+    vload_bf16, vload_f16, vmax, vmul, vsplat, vstore, vstore_hsums, vsub, vtanh, vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -313,19 +313,86 @@ def test_tanh_is_float32_only():
 
 
 @numba.njit(cache=True)
-def _hsum4_both(x, out, ref):
-    for i in range(0, x.shape[0], 4):
-        vstore_hsum4(out, i, vload(x[i], 0), vload(x[i + 1], 0), vload(x[i + 2], 0),
-                     vload(x[i + 3], 0))
-        for j in range(4):
-            ref[i + j] = vhsum(vload(x[i + j], 0))
+def _row_sums(x, out, ref):
+    """x (groups, 16, lanes) -> out (groups, 4, 4) through vstore_hsums, with R = 1, 2, 3, 4
+    rows per call as the group number cycles; ref through vhsum."""
+    for g in range(x.shape[0]):
+        v = x[g]
+        a = (vload(v[0], 0), vload(v[1], 0), vload(v[2], 0), vload(v[3], 0))
+        b = (vload(v[4], 0), vload(v[5], 0), vload(v[6], 0), vload(v[7], 0))
+        c = (vload(v[8], 0), vload(v[9], 0), vload(v[10], 0), vload(v[11], 0))
+        d = (vload(v[12], 0), vload(v[13], 0), vload(v[14], 0), vload(v[15], 0))
+        rows = g % 4 + 1
+        if rows == 1:
+            vstore_hsums(out[g], 0, 4, a)
+        elif rows == 2:
+            vstore_hsums(out[g], 0, 4, a + b)
+        elif rows == 3:
+            vstore_hsums(out[g], 0, 4, a + b + c)
+        else:
+            vstore_hsums(out[g], 0, 4, a + b + c + d)
+        for j in range(4 * rows):
+            ref[g, j // 4, j % 4] = vhsum(vload(v[j], 0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_four_sums_share_a_tree_and_equal_vhsum_bit_for_bit(rng, dtype):
-    x = (rng.standard_normal((64, lanes_for(dtype))) * 1e3).astype(dtype)
-    out, ref = np.zeros(64, dtype), np.zeros(64, dtype)
-    _hsum4_both(x, out, ref)
+def test_row_sums_share_a_tree_and_equal_vhsum_bit_for_bit(rng, dtype):
+    x = (rng.standard_normal((32, 16, lanes_for(dtype))) * 1e3).astype(dtype)
+    out, ref = np.full((32, 4, 4), np.nan, dtype), np.full((32, 4, 4), np.nan, dtype)
+    _row_sums(x, out, ref)
+    # untouched rows stay NaN in both
     np.testing.assert_array_equal(out, ref)
-    np.testing.assert_allclose(out, x.astype(np.float64).sum(axis=1), rtol=1e-5 if dtype ==
-                               np.float32 else 1e-13, atol=1e-3 if dtype == np.float32 else 1e-9)
+    rows = np.arange(32) % 4 + 1
+    expected = x.astype(np.float64).sum(axis=2).reshape(32, 4, 4)
+    for g in range(32):
+        np.testing.assert_allclose(out[g, :rows[g]], expected[g, :rows[g]],
+                                   rtol=1e-5 if dtype == np.float32 else 1e-13,
+                                   atol=1e-3 if dtype == np.float32 else 1e-9)
+        assert np.isnan(out[g, rows[g]:]).all()
+
+
+def test_row_sums_need_rows_of_four():
+    @numba.njit
+    def three(x):
+        v = vload(x, 0)
+        vstore_hsums(x, 0, 4, (v, v, v))
+
+    with pytest.raises(TypingError, match="tuple of 4 \\* R vectors"):
+        three(np.zeros(64, np.float32))
+
+
+@numba.njit(cache=True)
+def _half_loads(f16, bf16, out):
+    for i in range(0, f16.shape[0], LANES_F32):
+        vstore(out[0], i, vload_f16(f16, i))
+        vstore(out[1], i, vload_bf16(bf16, i))
+
+
+def test_half_precision_loads_widen_exactly(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = (rng.standard_normal(8 * LANES_F32) * 100).astype(np.float32)
+    x[:6] = [np.inf, -np.inf, np.nan, -0.0, 6e-8, 1e-40]  # specials and subnormals
+    f16, bf16 = x.astype(np.float16), x.astype(ml_dtypes.bfloat16)
+    out = np.zeros((2, x.size), np.float32)
+    _half_loads(f16.view(np.uint16), bf16.view(np.uint16), out)
+    np.testing.assert_array_equal(out[0], f16.astype(np.float32))
+    np.testing.assert_array_equal(out[1], bf16.astype(np.float32))
+
+
+def test_half_precision_loads_take_uint16_bits():
+    @numba.njit
+    def load(x):
+        return vhsum(vload_bf16(x, 0))
+
+    with pytest.raises(TypingError, match="must be a uint16 array"):
+        load(np.zeros(LANES_F32, np.float32))
+
+
+def test_prefetch_never_faults():
+    @numba.njit
+    def touch(x, far):
+        prefetch(x, 0)
+        prefetch(x, far)  # far past the end: only a hint
+        return x[0]
+
+    assert touch(np.ones(4, np.uint16), 1 << 40) == 1

@@ -1,9 +1,12 @@
 """The decoding kernel: few query rows against a long (paged) KV cache, split across cores.
 
 With one or a few query rows the work is memory-bound: every key and value row is read once
-and used for a handful of dot products. So the kernel packs nothing: it streams the rows of
-each key block from their pages into a small row-major buffer, and serves every query head of
-a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from that one read.
+and used for a handful of dot products. So the kernel packs nothing: it reads the rows of each
+key block in place from their pages (float16/bfloat16 bits widened as they are loaded, so half
+the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
+that one read, four query rows at a time in register-blocked micro-kernels. Rows that are not
+whole SIMD vectors (a head dim that is no multiple of the vector width, or strided rows) go
+through a widened copy of the block instead.
 
 One work item is one (batch, kv head, split): split-KV (flash-decoding) cuts each sequence's
 keys into `n_splits` ranges so that a single sequence with a single KV head still keeps every
@@ -22,10 +25,10 @@ from numba import prange, types
 from numba.extending import overload
 
 from .._jit import OPTIONS, Kernel, array, jit
-from .._simd import vbroadcast, vfma, vhsum, vload, vsplat, vstore, vstore_hsum4, vzeros
+from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vload_bf16, vload_f16, vsplat, \
+    vstore, vstore_hsums, vzeros
 from . import _steps
-from ._convert import widen
-
+from ._convert import BFLOAT16, widen
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -50,22 +53,32 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         if right >= 0:
             k_hi = min(k_hi, n_q + shift + right)
 
-        q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, d, dv, part_lse)
+        direct = _direct(k_cache, part_lse) and _direct(v_cache, part_lse)
+        q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
+                                                       d, dv, part_lse)
         row_max = np.full(rows, -np.inf, dtype=part_lse.dtype)
         row_sum = np.zeros(rows, dtype=part_lse.dtype)
         alpha = np.empty(rows, dtype=part_lse.dtype)
-        offsets = np.empty(block_k, dtype=np.int64)
+        k_offsets = np.empty(block_k, dtype=np.int64)
+        v_offsets = np.empty(block_k, dtype=np.int64)
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half)
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
-            # -- S = Q K^T, one dot product along D per (row, key), each key row read once
-            # from its page (software prefetching of the next block measured 30% slower here:
-            # the hardware prefetcher follows the rows, an extra burst only competes with it)
-            _qk_block(q_rows, k_cache, block_table, b, hk, kb, cols, page_size, offsets, k_rows,
-                      scores, rows, half)
+            # -- S = Q K^T, one dot product along D per (row, key), each key row read once: in
+            # place where the rows are whole vectors, prefetching the block's value rows
+            # meanwhile; else through a widened copy
+            if direct:
+                _row_offsets(k_cache, block_table, b, hk, kb, cols, page_size, k_offsets)
+                _row_offsets(v_cache, block_table, b, hk, kb, cols, page_size, v_offsets)
+                _dot_rows(q_rows, k_cache, k_offsets, scores, rows, cols, v_cache, v_offsets,
+                          cols, half)
+            else:
+                _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
+                _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols,
+                          k_rows, k_offsets, 0, half)
             _steps.scale_tile(scores, rows, cols, s_mult)
 
             # -- score modifiers and visibility, per row of the group
@@ -82,11 +95,19 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                     if not inside:
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right)
 
-            # -- online softmax and acc = alpha * acc + P V, as in the forward kernel
+            # -- online softmax and acc = alpha * acc + P V, prefetching the next key block
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols,
                                   -_steps.UNBOUNDED, _steps.UNBOUNDED)
-            _pv_block(scores, v_cache, block_table, b, hk, kb, cols, page_size, offsets, v_tile,
-                      acc, alpha, rows, half)
+            if direct:
+                following = min(block_k, k_hi - kb - block_k)
+                _row_offsets(k_cache, block_table, b, hk, kb + block_k, following, page_size,
+                             k_offsets)
+                _pv_rows(scores, v_cache, v_offsets, dv, acc, alpha, rows, cols, k_cache,
+                         k_offsets, following, half)
+            else:
+                _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half)
+                _pv_rows(scores, v_tile, _steps.padded_rows(cols, v_tile), v_tile.shape[1], acc,
+                         alpha, rows, cols, v_tile, v_offsets, 0, half)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -96,14 +117,22 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
 
 @jit
-def _buffers(rows, block_k, d, dv, like):
-    """q_rows, k_rows (padded to whole vectors), v_tile, scores and acc of one work item."""
+def _buffers(rows, block_k, copied, d, dv, like):
+    """q_rows, scores and acc of one work item, and k_rows and v_tile for widened copies of
+    `copied` key and value rows (zero when the rows are read in place). D and Dv are padded to
+    whole vectors (to two for scores and acc, as `_steps.tile_buffers` pads them), and the rows
+    of scores to a multiple of four (`_dot_rows` stores four rows at a time)."""
     dtype = like.dtype
     n = _steps.lanes(like)
-    dp = (d + n - 1) // n * n
-    _, _, v_tile, scores, acc = _steps.tile_buffers(rows, block_k, 1, dv, like)
-    return (np.zeros((rows, dp), dtype=dtype), np.zeros((block_k, dp), dtype=dtype),
-            v_tile, scores, acc)
+    dp, keys, dvp = _round_up(d, n), _round_up(block_k, 2 * n), _round_up(dv, 2 * n)
+    return (np.zeros((rows, dp), dtype=dtype), np.zeros((copied, dp), dtype=dtype),
+            np.zeros((copied, dvp), dtype=dtype), np.zeros((_round_up(rows, 4), keys), dtype=dtype),
+            np.zeros((rows, dvp), dtype=dtype))
+
+
+@jit
+def _round_up(x, multiple):
+    return (x + multiple - 1) // multiple * multiple
 
 
 @jit
@@ -133,146 +162,178 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half):
             dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half)
 
 
-def _gather_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
-    """dst[c, :D] = the cache rows of positions start..start+cols of batch b, head h."""
-
-
-@overload(_gather_rows, jit_options=OPTIONS)
-def _gather_rows_impl(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
-    if not isinstance(cache.dtype, types.Float):  # half-precision bits
-        def widen_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
-            _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half)
-        return widen_rows
-
-    def copy_rows(cache, block_table, b, h, start, cols, page_size, offsets, dst, half):
-        n = _steps.lanes(dst)
-        if cache.strides[3] != cache.itemsize or cache.shape[3] % n:
-            _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half)
-            return
-        _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets)
-        for c in range(cols):  # whole vectors straight from the contiguous rows
-            for x in range(0, cache.shape[3], n):
-                vstore(dst, c * dst.shape[1] + x, vload(cache, offsets[c] + x))
-    return copy_rows
-
-
 @jit
 def _direct(cache, like):
-    """Whether the kernel reads the (float) `cache` rows in place: contiguous, whole vectors."""
+    """Whether the kernel reads `cache`'s rows in place: contiguous, whole vectors of `like`'s
+    dtype (half-precision bits are widened as they are loaded)."""
     return cache.strides[3] == cache.itemsize and cache.shape[3] % _steps.lanes(like) == 0
 
 
-def _qk_block(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
-              scores, rows, half):
-    """scores[:rows, :cols] = q_rows . keys of positions start..start+cols."""
+def _load(arr, i, half):
+    """`vload(arr, i)`, widening the bits of a half-precision `arr` (`half` says which) to
+    float32."""
+
+
+@overload(_load, jit_options=OPTIONS)
+def _load_impl(arr, i, half):
+    if isinstance(arr.dtype, types.Float):
+        return lambda arr, i, half: vload(arr, i)
+
+    def load_half(arr, i, half):
+        return vload_bf16(arr, i) if half == BFLOAT16 else vload_f16(arr, i)
+    return load_half
 
 
 @jit
-def _qk_from_copy(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
-                  scores, rows, half):
-    _gather_rows(k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows, half)
-    _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols)
+def _pv_rows(scores, values, offsets, width, acc, alpha, rows, cols, later, later_offsets,
+             later_cols, half):
+    """acc = alpha * acc + P V over the value rows at flat `offsets` of `values` (their first
+    `width` elements, a whole number of vectors; the rest of `acc` is left as it is).
 
-
-@overload(_qk_block, jit_options=OPTIONS)
-def _qk_block_impl(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
-                   scores, rows, half):
-    if not isinstance(k_cache.dtype, types.Float):  # half-precision bits: widened copies
-        return _qk_from_copy.py_func
-
-    def qk_block(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets, k_rows,
-                 scores, rows, half):
-        if _direct(k_cache, q_rows):  # straight from the cache: no copy, one read of each row
-            _row_offsets(k_cache, block_table, b, h, start, cols, page_size, offsets)
-            _dot_rows(q_rows, k_cache, offsets, scores, rows, cols)
-        else:
-            _qk_from_copy(q_rows, k_cache, block_table, b, h, start, cols, page_size, offsets,
-                          k_rows, scores, rows, half)
-    return qk_block
-
-
-def _pv_block(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile, acc,
-              alpha, rows, half):
-    """acc = alpha * acc + P V over the values of positions start..start+cols."""
-
-
-@jit
-def _pv_from_copy(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
-                  acc, alpha, rows, half):
-    _gather_rows(v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile, half)
-    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, -_steps.UNBOUNDED, _steps.UNBOUNDED)
-
-
-@overload(_pv_block, jit_options=OPTIONS)
-def _pv_block_impl(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
-                   acc, alpha, rows, half):
-    if not isinstance(v_cache.dtype, types.Float):  # half-precision bits: widened copies
-        return _pv_from_copy.py_func
-
-    def pv_block(scores, v_cache, block_table, b, h, start, cols, page_size, offsets, v_tile,
-                 acc, alpha, rows, half):
-        if _direct(v_cache, acc):  # v_tile (block_k >= rows rows) holds the block's sum
-            _row_offsets(v_cache, block_table, b, h, start, cols, page_size, offsets)
-            _pv_rows(scores, v_cache, offsets, v_tile, acc, alpha, rows, cols)
-        else:
-            _pv_from_copy(scores, v_cache, block_table, b, h, start, cols, page_size, offsets,
-                          v_tile, acc, alpha, rows, half)
-    return pv_block
-
-
-@jit
-def _pv_rows(scores, v_cache, offsets, block_acc, acc, alpha, rows, cols):
-    """acc = alpha * acc + P V with the value rows read in place at `offsets`.
-
-    Each value vector is loaded once and used by every query row; the block's sum starts from
-    zero in `block_acc` and joins `acc` once (the same arithmetic as `_steps.pv_tile`).
+    Four query rows at a time share every load of a value vector; each block's sum starts from
+    zero in registers and joins `acc` once, as in `_steps.pv_tile`. Meanwhile the first
+    `later_cols` rows at `later_offsets` of `later` are prefetched (see `_dot_rows`).
     """
     n = _steps.lanes(acc)
-    dv, dvp, sw = v_cache.shape[3], acc.shape[1], scores.shape[1]
-    block_acc[:rows, :] = 0.0
-    for c in range(cols):
-        for x in range(0, dv, n):
-            value = vload(v_cache, offsets[c] + x)
-            for r in range(rows):
-                o = r * dvp + x
-                vstore(block_acc, o, vfma(vbroadcast(scores, r * sw + c), value,
-                                          vload(block_acc, o)))
-    for r in range(rows):
-        scale = vsplat(alpha[r], acc)
-        for x in range(0, dvp, n):
-            o = r * dvp + x
-            vstore(acc, o, vfma(scale, vload(acc, o), vload(block_acc, o)))
+    for r in range(0, rows, 4):
+        count = min(4, rows - r)
+        x = 0
+        while x + 4 * n <= width:
+            _pv_micro4x4(scores, r, count, values, offsets, x, acc, alpha, cols, later,
+                         later_offsets, later_cols if r == 0 else 0, half)
+            x += 4 * n
+        for x in range(x, width, n):
+            _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half)
 
 
 @jit
-def _dot_rows(q_rows, keys, offsets, scores, rows, cols):
+def _pv_micro4x4(scores, r, count, values, offsets, x, acc, alpha, cols, later, later_offsets,
+                 later_cols, half):
+    """Rows r .. r + count (count <= 4) x four vectors from column x: 16 accumulators held
+    in registers over the whole block. Missing rows repeat the last one and are not stored."""
+    n, sw = _steps.lanes(acc), scores.shape[1]
+    p0, p1, p2, p3 = _row_starts(r, count, sw)
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
+    for c in range(cols):
+        o = offsets[c] + x
+        v0, v1 = _load(values, o, half), _load(values, o + n, half)
+        v2, v3 = _load(values, o + 2 * n, half), _load(values, o + 3 * n, half)
+        if c < later_cols:  # the same columns of a later row, one cache line per vector
+            o = later_offsets[c] + x
+            prefetch(later, o)
+            prefetch(later, o + n)
+            prefetch(later, o + 2 * n)
+            prefetch(later, o + 3 * n)
+        p = vbroadcast(scores, p0 + c)
+        a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), vfma(p, v3, a03)
+        p = vbroadcast(scores, p1 + c)
+        a10, a11, a12, a13 = vfma(p, v0, a10), vfma(p, v1, a11), vfma(p, v2, a12), vfma(p, v3, a13)
+        p = vbroadcast(scores, p2 + c)
+        a20, a21, a22, a23 = vfma(p, v0, a20), vfma(p, v1, a21), vfma(p, v2, a22), vfma(p, v3, a23)
+        p = vbroadcast(scores, p3 + c)
+        a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), vfma(p, v3, a33)
+    _join4(acc, r, x, alpha, a00, a01, a02, a03)
+    if count > 1:
+        _join4(acc, r + 1, x, alpha, a10, a11, a12, a13)
+    if count > 2:
+        _join4(acc, r + 2, x, alpha, a20, a21, a22, a23)
+    if count > 3:
+        _join4(acc, r + 3, x, alpha, a30, a31, a32, a33)
+
+
+@jit
+def _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half):
+    """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
+    sw = scores.shape[1]
+    p0, p1, p2, p3 = _row_starts(r, count, sw)
+    a0 = a1 = a2 = a3 = vzeros(acc)
+    for c in range(cols):
+        v = _load(values, offsets[c] + x, half)
+        a0, a1 = vfma(vbroadcast(scores, p0 + c), v, a0), vfma(vbroadcast(scores, p1 + c), v, a1)
+        a2, a3 = vfma(vbroadcast(scores, p2 + c), v, a2), vfma(vbroadcast(scores, p3 + c), v, a3)
+    for i, total in enumerate((a0, a1, a2, a3)):
+        if i < count:
+            o = (r + i) * acc.shape[1] + x
+            vstore(acc, o, vfma(vsplat(alpha[r + i], acc), vload(acc, o), total))
+
+
+@jit
+def _join4(acc, r, x, alpha, a0, a1, a2, a3):
+    """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)."""
+    n = _steps.lanes(acc)
+    scale = vsplat(alpha[r], acc)
+    o = r * acc.shape[1] + x
+    vstore(acc, o, vfma(scale, vload(acc, o), a0))
+    vstore(acc, o + n, vfma(scale, vload(acc, o + n), a1))
+    vstore(acc, o + 2 * n, vfma(scale, vload(acc, o + 2 * n), a2))
+    vstore(acc, o + 3 * n, vfma(scale, vload(acc, o + 3 * n), a3))
+
+
+@jit
+def _row_starts(r, count, stride):
+    """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
+    last = r + count - 1
+    return (r * stride, min(r + 1, last) * stride, min(r + 2, last) * stride,
+            min(r + 3, last) * stride)
+
+
+@jit
+def _dot_rows(q_rows, keys, offsets, scores, rows, cols, later, later_offsets, later_cols,
+              half):
     """scores[r, c] = q_rows[r] . keys[offsets[c] : offsets[c] + D] (flat element offsets; q_rows
     are zero-padded to whole vectors and so must the key rows be, or D a multiple of them).
 
-    Four keys at a time: four independent FMA chains per query row, one load of each query
-    vector for all four, and one shared reduction tree for the four sums.
+    Four rows x four keys at a time: 16 independent FMA chains, each key vector loaded once for
+    four rows and each query vector once for four keys, and one shared reduction tree for each
+    16 sums (`vstore_hsums`; `scores` has rows up to a multiple of four, those past `rows`
+    taking the sums of the repeated last row).
+
+    Meanwhile the same columns of the first `later_cols` rows at `later_offsets` of `later` are
+    prefetched, one cache line per vector: the kernel streams two arrays in turns (a block of
+    key rows, then its value rows), and the hardware prefetcher, which follows one stream at a
+    time, would start each turn cold.
     """
-    n = _steps.lanes(q_rows)
-    dp = q_rows.shape[1]
-    c = 0
-    while c + 4 <= cols:
-        k0, k1, k2, k3 = offsets[c], offsets[c + 1], offsets[c + 2], offsets[c + 3]
-        for r in range(rows):
-            s0 = s1 = s2 = s3 = vzeros(q_rows)
+    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    for r in range(0, rows, 4):
+        count = min(4, rows - r)
+        q0, q1, q2, q3 = _row_starts(r, count, dp)
+        prefetched = later_cols if r == 0 else 0
+        c = 0
+        while c + 4 <= cols:
+            k0, k1, k2, k3 = offsets[c], offsets[c + 1], offsets[c + 2], offsets[c + 3]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
+            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
             for x in range(0, dp, n):
-                qx = vload(q_rows, r * dp + x)
-                s0 = vfma(qx, vload(keys, k0 + x), s0)
-                s1 = vfma(qx, vload(keys, k1 + x), s1)
-                s2 = vfma(qx, vload(keys, k2 + x), s2)
-                s3 = vfma(qx, vload(keys, k3 + x), s3)
-            vstore_hsum4(scores, r * scores.shape[1] + c, s0, s1, s2, s3)
-        c += 4
-    for c in range(c, cols):
-        for r in range(rows):
-            total = vzeros(q_rows)
-            for x in range(0, dp, n):
-                total = vfma(vload(q_rows, r * dp + x), vload(keys, offsets[c] + x), total)
-            scores[r, c] = vhsum(total)
+                y0, y1 = _load(keys, k0 + x, half), _load(keys, k1 + x, half)
+                y2, y3 = _load(keys, k2 + x, half), _load(keys, k3 + x, half)
+                if c + 4 <= prefetched:  # the same columns of four later rows
+                    prefetch(later, later_offsets[c] + x)
+                    prefetch(later, later_offsets[c + 1] + x)
+                    prefetch(later, later_offsets[c + 2] + x)
+                    prefetch(later, later_offsets[c + 3] + x)
+                q = vload(q_rows, q0 + x)
+                s00, s01, s02, s03 = vfma(q, y0, s00), vfma(q, y1, s01), vfma(q, y2, s02), \
+                    vfma(q, y3, s03)
+                q = vload(q_rows, q1 + x)
+                s10, s11, s12, s13 = vfma(q, y0, s10), vfma(q, y1, s11), vfma(q, y2, s12), \
+                    vfma(q, y3, s13)
+                q = vload(q_rows, q2 + x)
+                s20, s21, s22, s23 = vfma(q, y0, s20), vfma(q, y1, s21), vfma(q, y2, s22), \
+                    vfma(q, y3, s23)
+                q = vload(q_rows, q3 + x)
+                s30, s31, s32, s33 = vfma(q, y0, s30), vfma(q, y1, s31), vfma(q, y2, s32), \
+                    vfma(q, y3, s33)
+            vstore_hsums(scores, r * sw + c, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
+                                                  s20, s21, s22, s23, s30, s31, s32, s33))
+            c += 4
+        for c in range(c, cols):  # the last keys, one at a time
+            for i in range(count):
+                total = vzeros(q_rows)
+                for x in range(0, dp, n):
+                    total = vfma(vload(q_rows, (r + i) * dp + x),
+                                 _load(keys, offsets[c] + x, half), total)
+                scores[r + i, c] = vhsum(total)
 
 
 def _signature(key):
