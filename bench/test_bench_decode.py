@@ -60,14 +60,6 @@ def implementations(q, k_cache, v_cache):
     return calls
 
 
-def read_bandwidth(repeats):
-    """GB/s of a sum over a 1 GiB float32 array (a streaming read), best of `repeats`."""
-    data = np.ones(2 ** 28, dtype=np.float32)
-    source = torch.from_numpy(data) if torch is not None else data
-    best = min(_timed(source.sum) for _ in range(repeats))
-    return data.nbytes / best / 1e9
-
-
 def _timed(call):
     """Seconds of one call in steady state: after a pause (so another library's spinning
     threads have gone to sleep) and one untimed call (so this library's threads are awake)."""
@@ -96,20 +88,22 @@ def test_decode(benchmark, case, name):
 def main(repeats=20):
     if torch is not None:
         torch.set_num_threads(cpuflash.cpu_info()["threads"])
-    bandwidth = read_bandwidth(5)
-    print(f"read bandwidth (sum over 1 GiB): {bandwidth:.1f} GB/s")
+    data = np.ones(2 ** 28, dtype=np.float32)  # the yardstick: a sum over 1 GiB
+    source = torch.from_numpy(data) if torch is not None else data
     for case, (heads, kv_heads) in CASES.items():
         q, k_cache, v_cache = make_case(heads, kv_heads)
         calls = implementations(q, k_cache, v_cache)
         for call in calls.values():  # warm up and check each before timing
             check(np.asarray(call()), q, k_cache, v_cache)
+        calls["read 1 GiB"] = source.sum
         best = {name: float("inf") for name in calls}
-        for _ in range(repeats):  # interleaved rounds, best of N
+        for _ in range(repeats):  # interleaved rounds (the yardstick too), best of N
             for name, call in calls.items():
                 best[name] = min(best[name], _timed(call))
+        bandwidth = data.nbytes / best.pop("read 1 GiB") / 1e9
         cache_bytes = k_cache.nbytes + v_cache.nbytes
         print(f"\n{case}: B=1 Hq={heads} Hk={kv_heads} Nk={N_KEYS} D={HEAD_DIM} float32, "
-              f"one query row, best of {repeats}")
+              f"one query row, best of {repeats}; read bandwidth {bandwidth:.1f} GB/s")
         for name, seconds in best.items():
             rate = cache_bytes / seconds / 1e9
             print(f"  {name:18} {seconds * 1e3:7.2f} ms  {rate:5.1f} GB/s "
