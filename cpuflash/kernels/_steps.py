@@ -97,29 +97,35 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, lo_off, hi_off):
     (two panels at a time where the CPU has 32 vector registers).
 
     Row r sees tile columns r + lo_off .. r + hi_off (a window band; +-UNBOUNDED when it sees
-    them all): panels that no row of a row group can see are skipped, and their scores are
-    left for the band mask to overwrite.
+    them all): panels that no row of a row group can see are skipped (on a band's edge, one of a
+    pair of panels is computed alone), and their scores are left for the band mask to
+    overwrite.
     """
     w = k_panels.shape[2]
     panels = (cols + w - 1) // w
     panel = 0
     while panel < panels:
-        wide = WIDE and panel + 1 < panels
-        last = (panel + 2) * w - 1 if wide else (panel + 1) * w - 1  # last column covered
+        pair = WIDE and panel + 1 < panels
         r = 0
         while r + ROWS <= rows:
-            if last >= r + lo_off and panel * w <= r + ROWS - 1 + hi_off:
-                if wide:
-                    _qk_micro6w(q_tile, r, k_panels, panel, scores)
-                else:
-                    _qk_micro6(q_tile, r, k_panels, panel, scores)
+            first = _sees(panel, w, r, ROWS, lo_off, hi_off)
+            second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
+            if first and second:
+                _qk_micro6w(q_tile, r, k_panels, panel, scores)
+            elif first or second:
+                _qk_micro6(q_tile, r, k_panels, panel if first else panel + 1, scores)
             r += ROWS
         for r in range(r, rows):
-            if last >= r + lo_off and panel * w <= r + hi_off:
-                _qk_micro1(q_tile, r, k_panels, panel, scores)
-                if wide:
-                    _qk_micro1(q_tile, r, k_panels, panel + 1, scores)
-        panel += 2 if wide else 1
+            for p in range(panel, panel + 2 if pair else panel + 1):
+                if _sees(p, w, r, 1, lo_off, hi_off):
+                    _qk_micro1(q_tile, r, k_panels, p, scores)
+        panel += 2 if pair else 1
+
+
+@jit
+def _sees(panel, w, r, n_rows, lo_off, hi_off):
+    """Whether some row of r .. r + n_rows sees a column of `panel` (see `qk_tile`)."""
+    return (panel + 1) * w - 1 >= r + lo_off and panel * w <= r + n_rows - 1 + hi_off
 
 
 @jit
@@ -227,74 +233,101 @@ def _store_or_add(scores, o, lo, hi, first):
 
 
 @jit
-def scale_tile(scores, rows, cols, mult):
-    """s *= mult, whole vectors (the padding past `cols` is never read)."""
+def row_span(r, cols, lo_off, hi_off, n):
+    """(first, end): the columns of the whole `n`-vectors that cover row r's visible columns
+    r + lo_off .. r + hi_off of a block of `cols` columns (see `qk_tile`); empty when it sees
+    none. The score steps after Q K^T work on these columns only, and `softmax_update` reads
+    only these."""
+    width = (cols + n - 1) // n * n
+    first = max(0, r + lo_off) // n * n
+    end = min(width, (max(0, r + hi_off + 1) + n - 1) // n * n)
+    return first, end
+
+
+@jit
+def scale_tile(scores, rows, cols, mult, lo_off, hi_off):
+    """s *= mult, whole vectors of each row's span (the padding past `cols` is never read)."""
     n = lanes(scores)
     mult_v = vsplat(mult, scores)
     for r in range(rows):
         base = r * scores.shape[1]
-        for c in range(0, cols, n):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, end, n):
             vstore(scores, base + c, vmul(mult_v, vload(scores, base + c)))
 
 
-def softcap_tile(scores, rows, cols, cap):
-    """s = cap * tanh(s), on scores already divided by the softcap."""
+def softcap_tile(scores, rows, cols, cap, lo_off, hi_off):
+    """s = cap * tanh(s) over each row's span, on scores already divided by the softcap."""
 
 
 @overload(softcap_tile, jit_options=OPTIONS)
-def _softcap_tile(scores, rows, cols, cap):
+def _softcap_tile(scores, rows, cols, cap, lo_off, hi_off):
     if scores.dtype == types.float32:  # vectorized tanh; the padding past `cols` is harmless
-        def vector_softcap(scores, rows, cols, cap):
+        def vector_softcap(scores, rows, cols, cap, lo_off, hi_off):
             n = lanes(scores)
             cap_v = vsplat(cap, scores)
             for r in range(rows):
                 base = r * scores.shape[1]
-                for c in range(0, cols, n):
+                first, end = row_span(r, cols, lo_off, hi_off, n)
+                for c in range(first, end, n):
                     vstore(scores, base + c, vmul(cap_v, vtanh(vload(scores, base + c))))
         return vector_softcap
 
-    def scalar_softcap(scores, rows, cols, cap):
+    def scalar_softcap(scores, rows, cols, cap, lo_off, hi_off):
+        n = lanes(scores)
         for r in range(rows):
-            for c in range(cols):
+            first, end = row_span(r, cols, lo_off, hi_off, n)
+            for c in range(first, min(end, cols)):
                 scores[r, c] = cap * math.tanh(scores[r, c])
     return scalar_softcap
 
 
 @jit
-def alibi_tile(scores, rows, cols, slope, offset):
-    """s -= slope * |i - j| with i - j = r + offset - c (bottom-right aligned distance)."""
+def alibi_tile(scores, rows, cols, slope, offset, lo_off, hi_off):
+    """s -= slope * |i - j| with i - j = r + offset - c (bottom-right aligned distance), over
+    each row's span."""
+    n = lanes(scores)
     for r in range(rows):
-        for c in range(cols):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, min(end, cols)):
             scores[r, c] -= slope * abs(r + offset - c)
 
 
 @jit
-def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult):
-    """s += mult * bias[bb, h, q0 + r, kb + c], read through the bias's broadcast strides."""
+def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult, lo_off, hi_off):
+    """s += mult * bias[bb, h, q0 + r, kb + c] over each row's span, read through the bias's
+    broadcast strides."""
+    n = lanes(scores)
     for r in range(rows):
-        for c in range(cols):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, min(end, cols)):
             scores[r, c] += mult * bias[bb, h, q0 + r, kb + c]
 
 
 @jit
-def band_mask_tile(scores, rows, cols, offset, left, right):
+def band_mask_tile(scores, rows, cols, offset, left, right, lo_off, hi_off):
     """Hide keys outside the band left/right of the diagonal (causal is right = 0): per row, two
-    runs of -inf, before and after the visible columns."""
+    runs of -inf, before and after the visible columns, within the row's span."""
+    n = lanes(scores)
     for r in range(rows):
         diag = r + offset  # the tile column under row r's diagonal
         first = min(cols, max(0, diag - left)) if left >= 0 else 0
         end = min(cols, max(0, diag + right + 1)) if right >= 0 else cols
-        for c in range(first):
+        span0, span1 = row_span(r, cols, lo_off, hi_off, n)
+        span1 = min(span1, cols)
+        for c in range(span0, min(first, span1)):
             scores[r, c] = -np.inf
-        for c in range(max(first, end), cols):
+        for c in range(max(first, end, span0), span1):
             scores[r, c] = -np.inf
 
 
 @jit
-def bool_mask_tile(scores, mask, bb, h, q0, kb, rows, cols):
-    """Hide keys whose mask entry is False."""
+def bool_mask_tile(scores, mask, bb, h, q0, kb, rows, cols, lo_off, hi_off):
+    """Hide keys whose mask entry is False, over each row's span."""
+    n = lanes(scores)
     for r in range(rows):
-        for c in range(cols):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, min(end, cols)):
             if not mask[bb, h, q0 + r, kb + c]:
                 scores[r, c] = -np.inf
 
@@ -323,9 +356,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
         for c in range(cols, width):
             scores[r, c] = -np.inf
         base = r * sw
-        # the vectors covering this row's visible columns
-        first = max(0, r + lo_off) // n * n
-        end = min(width, (max(0, r + hi_off + 1) + n - 1) // n * n)
+        first, end = row_span(r, cols, lo_off, hi_off, n)  # the vectors covering its band
         top = vsplat(-np.inf, scores)
         for c in range(first, end, n):
             top = vmax(top, vload(scores, base + c))

@@ -79,11 +79,12 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
                 _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols,
                           k_rows, k_offsets, 0, half)
-            _steps.scale_tile(scores, rows, cols, s_mult)
+            everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
+            _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
             if softcap > 0:
-                _steps.softcap_tile(scores, rows, cols, softcap)
+                _steps.softcap_tile(scores, rows, cols, softcap, *everything)
             inside = ((left < 0 or kb >= n_q - 1 + shift - left)
                       and (right < 0 or kb + cols - 1 <= shift + right))
             if has_alibi or not inside:
@@ -91,13 +92,13 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                     diag = r % n_q + shift - kb  # block column under row r's diagonal
                     if has_alibi:
                         slope = alibi[b, hk * group + r // n_q]
-                        _steps.alibi_tile(scores[r:], 1, cols, slope, diag)
+                        _steps.alibi_tile(scores[r:], 1, cols, slope, diag, *everything)
                     if not inside:
-                        _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right)
+                        _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right,
+                                              *everything)
 
             # -- online softmax and acc = alpha * acc + P V, prefetching the next key block
-            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols,
-                                  -_steps.UNBOUNDED, _steps.UNBOUNDED)
+            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if direct:
                 following = min(block_k, k_hi - kb - block_k)
                 _row_offsets(k_cache, block_table, b, hk, kb + block_k, following, page_size,

@@ -41,11 +41,12 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
                 _steps.pack_rows(q, b, h, q0, rows, q_tile, 0)
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, -_steps.UNBOUNDED,
-                               _steps.UNBOUNDED)
-                _steps.scale_tile(scores, rows, cols, qk_scale)
+                everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # FA-1 skips no panels
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, *everything)
+                _steps.scale_tile(scores, rows, cols, qk_scale, *everything)
                 if causal and kb + cols - 1 > q0 + shift:
-                    _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right)
+                    _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right,
+                                          *everything)
                 # -- FA-1: load the normalized output rows and their statistics from memory,
                 # update them with this key block, renormalize and store them again
                 for r in range(rows):
@@ -53,10 +54,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                     tile_sum[r] = row_sum[q0 + r]
                     for x in range(dv):
                         acc[r, x] = out[b, h, q0 + r, x] * tile_sum[r]
-                _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols,
-                                      -_steps.UNBOUNDED, _steps.UNBOUNDED)
-                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, -_steps.UNBOUNDED,
-                               _steps.UNBOUNDED)
+                _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols, *everything)
+                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, *everything)
                 for r in range(rows):
                     norm = 1.0 / tile_sum[r] if tile_sum[r] != 0 else 0.0
                     for x in range(dv):

@@ -81,21 +81,23 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                 # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
                 # query element, and float64 then misses the accuracy rule on large logits
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols, lo, hi)
-                _steps.scale_tile(scores, rows, cols, s_mult)
+                _steps.scale_tile(scores, rows, cols, s_mult, lo, hi)
 
-                # -- score modifiers, in the order of the score pipeline
+                # -- score modifiers, in the order of the score pipeline, on each row's band
                 if softcap > 0:
-                    _steps.softcap_tile(scores, rows, cols, softcap)
+                    _steps.softcap_tile(scores, rows, cols, softcap, lo, hi)
                 if has_alibi:
-                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb)
+                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb, lo, hi)
                 if has_bias:
-                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0)
+                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo,
+                                    hi)
 
                 # -- visibility: only blocks that cross a band edge pay for element masks
                 if not inside:
-                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right)
+                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo, hi)
                 if has_mask:
-                    _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols)
+                    _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols,
+                                          lo, hi)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo, hi)
