@@ -33,9 +33,10 @@ from numba.core import codegen, config, errors, types
 from numba.extending import intrinsic, models, register_model
 
 __all__ = [
-    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vstore",
-    "vbroadcast", "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum",
-    "vstore_hsums", "vexp2", "vtanh", "prefetch",
+    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
+    "vload_rows_f16", "vload_rows_bf16", "vstore", "vbroadcast", "vsplat", "vzeros", "vfma",
+    "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2",
+    "vtanh", "prefetch",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -421,6 +422,83 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
         return context.get_dummy_value()
 
     return types.void(arr, i, stride, vecs), codegen
+
+
+def _rows_load(name=None, widen_bits=None):
+    """An intrinsic loading a square block, `lanes` vectors from `arr[i + j * stride]`: of a
+    float array, or (`widen_bits`) of the uint16 bits of the half-precision format `name`."""
+
+    def load_rows(typingctx, arr, i, stride):
+        if widen_bits is None:
+            vec = _array_vec(arr, "arr")
+        elif isinstance(arr, types.Array) and arr.dtype == types.uint16:
+            vec = _VEC[types.float32]
+        else:
+            raise errors.TypingError("`arr` must be a uint16 array (%s bits), got %s"
+                                     % (name, arr))
+        _check_index(i)
+        _check_index(stride)
+        block = types.UniTuple(vec, vec.lanes)
+
+        def codegen(context, builder, sig, args):
+            stored = ir.IntType(16) if widen_bits else _LL_FLOAT[vec.dtype]
+            memory = ir.VectorType(stored, vec.lanes).as_pointer()
+            start = _element_ptr(context, builder, sig, args)
+            step = context.cast(builder, args[2], sig.args[2], types.intp)
+            result = ir.Constant(context.get_value_type(block), ir.Undefined)
+            for j in range(vec.lanes):
+                ptr = builder.gep(start, [builder.mul(step, ir.Constant(step.type, j))],
+                                  inbounds=True)
+                row = builder.load(builder.bitcast(ptr, memory), align=arr.dtype.bitwidth // 8)
+                if widen_bits:
+                    row = widen_bits(builder, row, vec.lanes)
+                result = builder.insert_value(result, row, j)
+            return result
+
+        return block(arr, i, stride), codegen
+
+    load_rows.__name__ = "vload_rows" + ("_" + name if name else "")
+    widened = ", the %s bits widened to float32" % name if name else ""
+    load_rows.__doc__ = ("The square block of `lanes` vectors ``arr[i + j * stride :][:lanes]`` "
+                         "(rows j), as a tuple%s." % widened)
+    return intrinsic(load_rows)
+
+
+vload_rows = _rows_load()
+vload_rows_f16 = _rows_load("float16", _widen_f16)
+vload_rows_bf16 = _rows_load("bfloat16", _widen_bf16)
+
+
+@intrinsic
+def vtranspose(typingctx, vecs):
+    """The transpose of a square block: a tuple of `lanes` vectors (row i = vecs[i]) in, the
+    tuple of its columns out. log2(lanes) rounds of two-source shuffles, `lanes` per round
+    (64 shuffles for 16 x 16 float32). For packing key panels, which are K transposed."""
+    if not (isinstance(vecs, types.UniTuple) and isinstance(vecs.dtype, Vec)
+            and len(vecs) == vecs.dtype.lanes):
+        raise errors.TypingError("`vecs` must be a tuple of as many vectors as they have lanes, "
+                                 "got %s" % vecs)
+    n = len(vecs)
+
+    def codegen(context, builder, sig, args):
+        rows = [builder.extract_value(args[0], i) for i in range(n)]
+        half = n // 2
+        while half >= 1:  # swap the off-diagonal half x half blocks of every 2half x 2half block
+            for i in range(n):
+                if i & half:
+                    continue
+                a, c = rows[i], rows[i + half]
+                rows[i] = builder.shuffle_vector(a, c, _lane_mask(
+                    [j if not j & half else n + j - half for j in range(n)]))
+                rows[i + half] = builder.shuffle_vector(a, c, _lane_mask(
+                    [j + half if not j & half else n + j for j in range(n)]))
+            half //= 2
+        result = ir.Constant(context.get_value_type(sig.return_type), ir.Undefined)
+        for i, row in enumerate(rows):
+            result = builder.insert_value(result, row, i)
+        return result
+
+    return vecs(vecs), codegen
 
 
 # -- exp2

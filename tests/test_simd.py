@@ -16,7 +16,7 @@ from numba.core.errors import TypingError
 from cpuflash import _simd
 from cpuflash._simd import (
     LANES_F32, LANES_F64, lanes_for, prefetch, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
-    vload_bf16, vload_f16, vmax, vmul, vsplat, vstore, vstore_hsums, vsub, vtanh, vzeros,
+    vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul, vsplat, vstore, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -396,3 +396,41 @@ def test_prefetch_never_faults():
         return x[0]
 
     assert touch(np.ones(4, np.uint16), 1 << 40) == 1
+
+
+@numba.njit(cache=True)
+def _transposed_blocks(x, stride, out):
+    """out[j] = column j of the square block whose rows are x[j * stride:][:lanes]."""
+    for j, column in enumerate(vtranspose(vload_rows(x, 0, stride))):
+        vstore(out[j], 0, column)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transpose_of_a_square_block_read_with_a_stride(rng, dtype):
+    n = lanes_for(dtype)
+    stride = n + 5  # rows further apart than they are long
+    x = rng.standard_normal(n * stride).astype(dtype)
+    out = np.zeros((n, n), dtype)
+    _transposed_blocks(x, stride, out)
+    block = np.lib.stride_tricks.as_strided(x, (n, n), (stride * x.itemsize, x.itemsize))
+    np.testing.assert_array_equal(out, block.T)
+
+
+@numba.njit(cache=True)
+def _half_blocks(f16, bf16, stride, out):
+    for j, row in enumerate(vload_rows_f16(f16, 0, stride)):
+        vstore(out[0, j], 0, row)
+    for j, row in enumerate(vload_rows_bf16(bf16, 0, stride)):
+        vstore(out[1, j], 0, row)
+
+
+def test_half_precision_blocks_widen_exactly(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    n, stride = LANES_F32, LANES_F32 + 3
+    x = (rng.standard_normal(n * stride) * 100).astype(np.float32)
+    f16, bf16 = x.astype(np.float16), x.astype(ml_dtypes.bfloat16)
+    out = np.zeros((2, n, n), np.float32)
+    _half_blocks(f16.view(np.uint16), bf16.view(np.uint16), stride, out)
+    rows = np.arange(n)[:, None] * stride + np.arange(n)
+    np.testing.assert_array_equal(out[0], f16.astype(np.float32)[rows])
+    np.testing.assert_array_equal(out[1], bf16.astype(np.float32)[rows])

@@ -1,9 +1,11 @@
 """Reading and writing elements of any input dtype as the compute dtype, inside kernels.
 
 float16 and bfloat16 arrays reach the kernels as their uint16 bits (Numba has no bfloat16), and
-are widened to float32 one element at a time while a tile is packed, so no full-size float32 copy
-of q, k or v is ever made. `widen` and `narrow` are generic over the array dtype: for float32 and
-float64 arrays they are plain casts and compile to nothing.
+are widened to float32 while a tile is packed (or, in the decode kernel, as cache rows are
+loaded), so no full-size float32 copy of q, k or v is ever made. `widen` and `narrow` convert
+one element; `load_widened` and `load_block` whole SIMD vectors of rows that `vector_rows`
+approves. All are generic over the array dtype: for float32 and float64 arrays the conversions
+compile to nothing.
 """
 
 import numpy as np
@@ -11,6 +13,9 @@ from llvmlite import ir
 from numba import types
 from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
+
+from .. import _simd
+from .._jit import OPTIONS, jit
 
 FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
 
@@ -102,3 +107,51 @@ def _narrow(value, like, kind):
             rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
             return np.uint16((bits + rounding) >> np.uint32(16))
         return impl
+
+
+@jit
+def vector_rows(arr, n):
+    """Whether the rows of the 4-D `arr` (its last axis) can be read as whole SIMD vectors of
+    `n` lanes: contiguous, a whole number of vectors long, and every stride a whole number of
+    elements (so `row_offset` is exact)."""
+    size = arr.itemsize
+    return (arr.strides[3] == size and arr.shape[3] % n == 0
+            and arr.strides[0] % size == 0 and arr.strides[1] % size == 0
+            and arr.strides[2] % size == 0)
+
+
+@jit
+def row_offset(arr, i, j, row):
+    """The element offset of ``arr[i, j, row, 0]`` from ``arr[0, 0, 0, 0]`` (see `vector_rows`)."""
+    return (i * arr.strides[0] + j * arr.strides[1] + row * arr.strides[2]) // arr.itemsize
+
+
+def load_widened(arr, i, half):
+    """`_simd.vload(arr, i)`, the bits of a half-precision `arr` (`half` says which) widened
+    to float32."""
+
+
+@overload(load_widened, jit_options=OPTIONS)
+def _load_widened(arr, i, half):
+    if isinstance(arr.dtype, types.Float):
+        return lambda arr, i, half: _simd.vload(arr, i)
+
+    def load_half(arr, i, half):
+        return _simd.vload_bf16(arr, i) if half == BFLOAT16 else _simd.vload_f16(arr, i)
+    return load_half
+
+
+def load_block(arr, i, stride, half):
+    """`_simd.vload_rows(arr, i, stride)`, half-precision bits widened as `load_widened` does."""
+
+
+@overload(load_block, jit_options=OPTIONS)
+def _load_block(arr, i, stride, half):
+    if isinstance(arr.dtype, types.Float):
+        return lambda arr, i, stride, half: _simd.vload_rows(arr, i, stride)
+
+    def load_half(arr, i, stride, half):
+        if half == BFLOAT16:
+            return _simd.vload_rows_bf16(arr, i, stride)
+        return _simd.vload_rows_f16(arr, i, stride)
+    return load_half

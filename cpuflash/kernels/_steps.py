@@ -28,8 +28,8 @@ from numba.np.numpy_support import as_dtype
 from .. import _simd
 from .._jit import OPTIONS, jit
 from .._simd import vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
-    vstore, vsub, vtanh, vzeros
-from ._convert import narrow, widen
+    vstore, vsub, vtanh, vtranspose, vzeros
+from ._convert import load_block, load_widened, narrow, row_offset, vector_rows, widen
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
@@ -71,7 +71,14 @@ def padded_rows(cols, rows_buffer):
 
 @jit
 def pack_rows(src, b, h, start, rows, dst, half):
-    """dst[r, :] = src[b, h, start + r, :], widened to the compute dtype."""
+    """dst[r, :D] = src[b, h, start + r, :], widened to the compute dtype."""
+    n = lanes(dst)
+    if vector_rows(src, n):  # whole vectors
+        base, stride = row_offset(src, b, h, start), src.strides[2] // src.itemsize
+        for r in range(rows):
+            for x in range(0, src.shape[3], n):
+                vstore(dst, r * dst.shape[1] + x, load_widened(src, base + r * stride + x, half))
+        return
     for r in range(rows):
         for x in range(src.shape[3]):
             dst[r, x] = widen(src[b, h, start + r, x], half)
@@ -79,15 +86,29 @@ def pack_rows(src, b, h, start, rows, dst, half):
 
 @jit
 def pack_key_panels(k, b, h, start, cols, k_panels, half):
-    """Key rows start..start+cols into panels: k_panels[c // W, :, c % W]."""
-    w = k_panels.shape[2]
-    for c in range(cols):
+    """Key rows start..start+cols into panels: k_panels[c // W, :, c % W].
+
+    A transpose: where the rows are whole vectors, `lanes` keys x `lanes` dims at a time, in
+    registers (`vtranspose`); element by element for the rest.
+    """
+    w, d, n = k_panels.shape[2], k.shape[3], lanes(k_panels)
+    c = 0
+    if vector_rows(k, n):
+        base, stride = row_offset(k, b, h, start), k.strides[2] // k.itemsize
+        while c + n <= cols:
+            out = c // w * d * w + c % w  # k_panels[c // w, 0, c % w]
+            for x in range(0, d, n):
+                block = vtranspose(load_block(k, base + c * stride + x, stride, half))
+                for j in range(n):  # dim x + j of keys c .. c + n
+                    vstore(k_panels, out + (x + j) * w, block[j])
+            c += n
+    for c in range(c, cols):
         panel, lane = c // w, c % w
-        for x in range(k.shape[3]):
+        for x in range(d):
             k_panels[panel, x, lane] = widen(k[b, h, start + c, x], half)
     last = (cols - 1) // w
     for lane in range(cols - last * w, w):  # zero the tail of a partial last panel
-        for x in range(k.shape[3]):
+        for x in range(d):
             k_panels[last, x, lane] = 0.0
 
 

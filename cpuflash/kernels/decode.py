@@ -22,13 +22,10 @@ one page per batch entry.
 import numpy as np
 from numba import prange, types
 
-from numba.extending import overload
-
-from .._jit import OPTIONS, Kernel, array, jit
-from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vload_bf16, vload_f16, vsplat, \
-    vstore, vstore_hsums, vzeros
+from .._jit import Kernel, array, jit
+from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vsplat, vstore, vstore_hsums, vzeros
 from . import _steps
-from ._convert import BFLOAT16, widen
+from ._convert import load_widened, vector_rows, widen
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -53,7 +50,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         if right >= 0:
             k_hi = min(k_hi, n_q + shift + right)
 
-        direct = _direct(k_cache, part_lse) and _direct(v_cache, part_lse)
+        n = _steps.lanes(part_lse)
+        direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
         q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
                                                        d, dv, part_lse)
         row_max = np.full(rows, -np.inf, dtype=part_lse.dtype)
@@ -164,28 +162,6 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half):
 
 
 @jit
-def _direct(cache, like):
-    """Whether the kernel reads `cache`'s rows in place: contiguous, whole vectors of `like`'s
-    dtype (half-precision bits are widened as they are loaded)."""
-    return cache.strides[3] == cache.itemsize and cache.shape[3] % _steps.lanes(like) == 0
-
-
-def _load(arr, i, half):
-    """`vload(arr, i)`, widening the bits of a half-precision `arr` (`half` says which) to
-    float32."""
-
-
-@overload(_load, jit_options=OPTIONS)
-def _load_impl(arr, i, half):
-    if isinstance(arr.dtype, types.Float):
-        return lambda arr, i, half: vload(arr, i)
-
-    def load_half(arr, i, half):
-        return vload_bf16(arr, i) if half == BFLOAT16 else vload_f16(arr, i)
-    return load_half
-
-
-@jit
 def _pv_rows(scores, values, offsets, width, acc, alpha, rows, cols, later, later_offsets,
              later_cols, half):
     """acc = alpha * acc + P V over the value rows at flat `offsets` of `values` (their first
@@ -218,8 +194,8 @@ def _pv_micro4x4(scores, r, count, values, offsets, x, acc, alpha, cols, later, 
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
     for c in range(cols):
         o = offsets[c] + x
-        v0, v1 = _load(values, o, half), _load(values, o + n, half)
-        v2, v3 = _load(values, o + 2 * n, half), _load(values, o + 3 * n, half)
+        v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
+        v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
         if c < later_cols:  # the same columns of a later row, one cache line per vector
             o = later_offsets[c] + x
             prefetch(later, o)
@@ -250,7 +226,7 @@ def _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half):
     p0, p1, p2, p3 = _row_starts(r, count, sw)
     a0 = a1 = a2 = a3 = vzeros(acc)
     for c in range(cols):
-        v = _load(values, offsets[c] + x, half)
+        v = load_widened(values, offsets[c] + x, half)
         a0, a1 = vfma(vbroadcast(scores, p0 + c), v, a0), vfma(vbroadcast(scores, p1 + c), v, a1)
         a2, a3 = vfma(vbroadcast(scores, p2 + c), v, a2), vfma(vbroadcast(scores, p3 + c), v, a3)
     for i, total in enumerate((a0, a1, a2, a3)):
@@ -306,8 +282,8 @@ def _dot_rows(q_rows, keys, offsets, scores, rows, cols, later, later_offsets, l
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
             s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
             for x in range(0, dp, n):
-                y0, y1 = _load(keys, k0 + x, half), _load(keys, k1 + x, half)
-                y2, y3 = _load(keys, k2 + x, half), _load(keys, k3 + x, half)
+                y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
+                y2, y3 = load_widened(keys, k2 + x, half), load_widened(keys, k3 + x, half)
                 if c + 4 <= prefetched:  # the same columns of four later rows
                     prefetch(later, later_offsets[c] + x)
                     prefetch(later, later_offsets[c + 1] + x)
@@ -333,7 +309,7 @@ def _dot_rows(q_rows, keys, offsets, scores, rows, cols, later, later_offsets, l
                 total = vzeros(q_rows)
                 for x in range(0, dp, n):
                     total = vfma(vload(q_rows, (r + i) * dp + x),
-                                 _load(keys, offsets[c] + x, half), total)
+                                 load_widened(keys, offsets[c] + x, half), total)
                 scores[r + i, c] = vhsum(total)
 
 
