@@ -34,7 +34,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
-    "vload_rows_f16", "vload_rows_bf16", "vstore", "vbroadcast", "vsplat", "vzeros", "vfma",
+    "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast", "vsplat", "vzeros", "vfma",
     "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2",
     "vtanh", "prefetch",
 ]
@@ -238,6 +238,53 @@ def _widen_bf16(builder, bits, lanes):  # bfloat16 is the top half of a float32
 
 vload_f16 = _half_load("float16", _widen_f16)
 vload_bf16 = _half_load("bfloat16", _widen_bf16)
+
+
+def _half_store(name, narrow_bits):
+    """An intrinsic storing a float32 vector as `lanes` uint16 elements of a half format."""
+
+    def store(typingctx, arr, i, vec):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint16 and arr.mutable):
+            raise errors.TypingError("`arr` must be a writable uint16 array (%s bits), got %s"
+                                     % (name, arr))
+        _check_index(i)
+        if vec != _VEC[types.float32]:
+            raise errors.TypingError("`vec` must be a %s, got %s" % (_VEC[types.float32], vec))
+
+        def codegen(context, builder, sig, args):
+            bits_type = ir.VectorType(ir.IntType(16), vec.lanes)
+            ptr = _element_ptr(context, builder, sig, args, bits_type)
+            builder.store(narrow_bits(builder, args[2], vec.lanes), ptr, align=2)
+            return context.get_dummy_value()
+
+        return types.none(arr, i, vec), codegen
+
+    store.__name__ = "vstore_" + name
+    store.__doc__ = ("Store float32 `vec` into `arr[i : i + lanes]` as %s bits, rounded to "
+                     "nearest even (a NaN stays a NaN)." % name)
+    return intrinsic(store)
+
+
+def _narrow_f16(builder, vec, lanes):  # fptrunc to half: one vcvtps2ph with F16C
+    return builder.bitcast(builder.fptrunc(vec, ir.VectorType(ir.HalfType(), lanes)),
+                           ir.VectorType(ir.IntType(16), lanes))
+
+
+def _narrow_bf16(builder, vec, lanes):
+    # the top 16 bits, rounded to nearest even; a NaN keeps its top bits with the quiet bit set
+    # (rounding could carry it into infinity)
+    wide = ir.VectorType(_I32, lanes)
+    bits = builder.bitcast(vec, wide)
+    top = builder.lshr(bits, _const(wide, 16))
+    bias = builder.add(_const(wide, 0x7FFF), builder.and_(top, _const(wide, 1)))
+    rounded = builder.lshr(builder.add(bits, bias), _const(wide, 16))
+    quiet = builder.or_(top, _const(wide, 0x40))
+    nan = builder.fcmp_unordered("uno", vec, vec)
+    return builder.trunc(builder.select(nan, quiet, rounded), ir.VectorType(ir.IntType(16), lanes))
+
+
+vstore_f16 = _half_store("float16", _narrow_f16)
+vstore_bf16 = _half_store("bfloat16", _narrow_bf16)
 
 
 @intrinsic

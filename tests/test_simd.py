@@ -16,7 +16,7 @@ from numba.core.errors import TypingError
 from cpuflash import _simd
 from cpuflash._simd import (
     LANES_F32, LANES_F64, lanes_for, prefetch, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
-    vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul, vsplat, vstore, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
+    vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul, vsplat, vstore, vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -434,3 +434,22 @@ def test_half_precision_blocks_widen_exactly(rng):
     rows = np.arange(n)[:, None] * stride + np.arange(n)
     np.testing.assert_array_equal(out[0], f16.astype(np.float32)[rows])
     np.testing.assert_array_equal(out[1], bf16.astype(np.float32)[rows])
+
+
+@numba.njit(cache=True)
+def _half_stores(x, f16, bf16):
+    for i in range(0, x.shape[0], LANES_F32):
+        vstore_f16(f16, i, vload(x, i))
+        vstore_bf16(bf16, i, vload(x, i))
+
+
+def test_half_precision_stores_round_to_nearest_even_as_numpy(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = (rng.standard_normal(64 * LANES_F32) * np.exp(rng.uniform(-40, 40, 64 * LANES_F32)))
+    x = x.astype(np.float32)
+    x[:8] = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 3.4e38, 65520.0, 1e-8]  # specials, ties
+    f16, bf16 = np.zeros(x.size, np.uint16), np.zeros(x.size, np.uint16)
+    _half_stores(x, f16, bf16)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(f16, x.astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(bf16, x.astype(ml_dtypes.bfloat16).view(np.uint16))

@@ -155,3 +155,21 @@ def _load_block(arr, i, stride, half):
             return _simd.vload_rows_bf16(arr, i, stride)
         return _simd.vload_rows_f16(arr, i, stride)
     return load_half
+
+
+def store_narrowed(arr, i, vec, half):
+    """`_simd.vstore(arr, i, vec)`, rounded to the half-precision `arr`'s format as `narrow`
+    rounds."""
+
+
+@overload(store_narrowed, jit_options=OPTIONS)
+def _store_narrowed(arr, i, vec, half):
+    if isinstance(arr.dtype, types.Float):
+        return lambda arr, i, vec, half: _simd.vstore(arr, i, vec)
+
+    def store_half(arr, i, vec, half):
+        if half == BFLOAT16:
+            _simd.vstore_bf16(arr, i, vec)
+        else:
+            _simd.vstore_f16(arr, i, vec)
+    return store_half

@@ -29,7 +29,8 @@ from .. import _simd
 from .._jit import OPTIONS, jit
 from .._simd import vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
     vstore, vsub, vtanh, vtranspose, vzeros
-from ._convert import load_block, load_widened, narrow, row_offset, vector_rows, widen
+from ._convert import load_block, load_widened, narrow, row_offset, store_narrowed, vector_rows, \
+    widen
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
@@ -378,21 +379,27 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
             scores[r, c] = -np.inf
         base = r * sw
         first, end = row_span(r, cols, lo_off, hi_off, n)  # the vectors covering its band
-        top = vsplat(-np.inf, scores)
-        for c in range(first, end, n):
-            top = vmax(top, vload(scores, base + c))
-        block_max = vhmax(top)
-        new_max = block_max if block_max > row_max[r] or block_max != block_max else row_max[r]
-        shift = new_max if new_max != -np.inf else 0.0
-        alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
-        shift_v = vsplat(shift, scores)
-        total = vzeros(scores)
-        for c in range(first, end, n):
-            p = vexp2(vmul(vsub(vload(scores, base + c), shift_v), log2e))
-            vstore(scores, base + c, p)
-            total = vadd(total, p)
-        row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
-        row_max[r] = new_max
+        if first >= end:  # sees nothing here: the max stays, alpha as the general case has it
+            m = row_max[r]
+            alpha[r] = 0.0 if m == -np.inf else m - m + 1.0  # 1, or NaN for a NaN/inf max
+            row_sum[r] = row_sum[r] * alpha[r]
+        else:
+            top = vsplat(-np.inf, scores)
+            for c in range(first, end, n):
+                top = vmax(top, vload(scores, base + c))
+            block_max = vhmax(top)
+            new_max = (block_max if block_max > row_max[r] or block_max != block_max
+                       else row_max[r])
+            shift = new_max if new_max != -np.inf else 0.0
+            alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
+            shift_v = vsplat(shift, scores)
+            total = vzeros(scores)
+            for c in range(first, end, n):
+                p = vexp2(vmul(vsub(vload(scores, base + c), shift_v), log2e))
+                vstore(scores, base + c, p)
+                total = vadd(total, p)
+            row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
+            row_max[r] = new_max
         # zeros where the row's group reads keys this row cannot see (pv_tile's key range)
         group = r - r % ROWS if r < full_groups else r
         span = ROWS if r < full_groups else 1
@@ -528,6 +535,7 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
     `sink` (-inf when absent) joins the denominator only. A row with nothing visible writes
     zeros and lse -inf (the sink's value when there is one).
     """
+    n = lanes(acc)
     for r in range(rows):
         m, total = row_max[r], row_sum[r]
         if sink != -np.inf:
@@ -537,6 +545,12 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
             m = top
         else:
             norm = 1.0 / total if total != 0 else 0.0  # NaN stays NaN
-        for x in range(out.shape[3]):
-            out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half)
+        if vector_rows(out, n):  # whole vectors (rounded to a half-precision output)
+            o = row_offset(out, b, h, start + r)
+            scale = vsplat(norm, acc)
+            for x in range(0, out.shape[3], n):
+                store_narrowed(out, o + x, vmul(scale, vload(acc, r * acc.shape[1] + x)), half)
+        else:
+            for x in range(out.shape[3]):
+                out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half)
         lse[b, h, start + r] = m + math.log2(total) * LN2 if total != 0 else -np.inf

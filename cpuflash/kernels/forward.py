@@ -68,15 +68,22 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
-                _steps.pack_key_panels(k, bk, hk, k_start + kb, cols, k_panels, half)
-                _steps.pack_rows(v, bk, hk, k_start + kb, cols, v_tile, half)
-
                 # -- the band of this block each row sees (tile columns r + lo .. r + hi); blocks
                 # inside it need no element masks, and on its edges whole panels are skipped
                 inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
                           and (right < 0 or kb + cols - 1 <= diag0 + right))
                 lo = diag0 - kb - left if left >= 0 and not inside else -_steps.UNBOUNDED
                 hi = diag0 - kb + right if right >= 0 and not inside else _steps.UNBOUNDED
+
+                # -- pack the keys and values some row sees (from a whole panel)
+                w = k_panels.shape[2]
+                first = max(0, lo) // w * w
+                end = min(cols, rows + hi)
+                if end > first:
+                    _steps.pack_key_panels(k, bk, hk, k_start + kb + first, end - first,
+                                           k_panels[first // w:], half)
+                    _steps.pack_rows(v, bk, hk, k_start + kb + first, end - first,
+                                     v_tile[first:], half)
 
                 # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
                 # query element, and float64 then misses the accuracy rule on large logits
