@@ -34,9 +34,9 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
-    "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast", "vsplat", "vzeros", "vfma",
-    "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2",
-    "vtanh", "prefetch",
+    "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
+    "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsums",
+    "vtranspose", "vexp2", "vtanh", "prefetch",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
