@@ -35,7 +35,7 @@ from numba.extending import intrinsic, models, register_model
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
     "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
-    "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vmax", "vhmax", "vhsum", "vstore_hsums",
+    "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax", "vhmax", "vhsum", "vstore_hsums",
     "vtranspose", "vexp2", "vtanh", "prefetch",
 ]
 
@@ -378,6 +378,13 @@ def vmul(typingctx, a, b):
     """`a * b`, lane by lane."""
     vec = _same_vec(a, b)
     return vec(a, b), lambda context, builder, sig, args: builder.fmul(*args)
+
+
+@intrinsic
+def vabs(typingctx, a):
+    """`|a|`, lane by lane (`llvm.fabs`: clears the sign bit, NaN stays NaN)."""
+    vec = _same_vec(a)
+    return vec(a), lambda context, builder, sig, args: _call(builder, "fabs", *args)
 
 
 @intrinsic

@@ -15,7 +15,7 @@ from numba.core.errors import TypingError
 
 from cpuflash import _simd
 from cpuflash._simd import (
-    LANES_F32, LANES_F64, lanes_for, prefetch, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
+    LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
     vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul, vsplat, vstore,
     vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
 )
@@ -454,3 +454,18 @@ def test_half_precision_stores_round_to_nearest_even_as_numpy(rng):
     with np.errstate(over="ignore"):
         np.testing.assert_array_equal(f16, x.astype(np.float16).view(np.uint16))
     np.testing.assert_array_equal(bf16, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_abs_clears_the_sign_and_keeps_nan(dtype):
+    @numba.njit
+    def absolute(x, out, n):
+        for i in range(0, x.shape[0], n):
+            vstore(out, i, vabs(vload(x, i)))
+
+    n = lanes_for(dtype)
+    x = np.array([-2.5, 0.0, -0.0, np.inf, -np.inf, np.nan, 3.0, -1e-30] * n, dtype)[:2 * n]
+    out = np.empty_like(x)
+    absolute(x, out, n)
+    np.testing.assert_array_equal(out, np.abs(x))
+    assert not np.signbit(out).any()

@@ -27,7 +27,7 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _simd
 from .._jit import OPTIONS, jit
-from .._simd import vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
+from .._simd import vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
     vstore, vsub, vtanh, vtranspose, vzeros
 from ._convert import load_block, load_widened, narrow, row_offset, store_narrowed, vector_rows, \
     widen
@@ -307,12 +307,16 @@ def _softcap_tile(scores, rows, cols, cap, lo_off, hi_off):
 @jit
 def alibi_tile(scores, rows, cols, slope, offset, lo_off, hi_off):
     """s -= slope * |i - j| with i - j = r + offset - c (bottom-right aligned distance), over
-    each row's span."""
+    the whole vectors of each row's span (the padding past `cols` is never read)."""
     n = lanes(scores)
+    lane = np.arange(n).astype(scores.dtype)  # distance = (r + offset - c) - lane
+    lane_v, minus_slope = vload(lane, 0), vsplat(-slope, scores)
     for r in range(rows):
+        base = r * scores.shape[1]
         first, end = row_span(r, cols, lo_off, hi_off, n)
-        for c in range(first, min(end, cols)):
-            scores[r, c] -= slope * abs(r + offset - c)
+        for c in range(first, end, n):
+            distance = vabs(vsub(vsplat(r + offset - c, scores), lane_v))
+            vstore(scores, base + c, vfma(minus_slope, distance, vload(scores, base + c)))
 
 
 @jit
