@@ -324,9 +324,22 @@ def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult, lo_off, hi_off):
     """s += mult * bias[bb, h, q0 + r, kb + c] over each row's span, read through the bias's
     broadcast strides."""
     n = lanes(scores)
+    size = bias.itemsize
+    rows_of_vectors = (bias.strides[3] == size and bias.strides[0] % size == 0  # (strides may
+                       and bias.strides[1] % size == 0 and bias.strides[2] % size == 0)  # be 0)
+    mult_v = vsplat(mult, scores)
     for r in range(rows):
         first, end = row_span(r, cols, lo_off, hi_off, n)
-        for c in range(first, min(end, cols)):
+        end = min(end, cols)
+        c = first
+        if rows_of_vectors:  # whole vectors that end inside the row
+            row = row_offset(bias, bb, h, q0 + r) + kb
+            base = r * scores.shape[1]
+            while c + n <= end:
+                vstore(scores, base + c, vfma(mult_v, vload(bias, row + c),
+                                              vload(scores, base + c)))
+                c += n
+        for c in range(c, end):
             scores[r, c] += mult * bias[bb, h, q0 + r, kb + c]
 
 
