@@ -35,8 +35,8 @@ from numba.extending import intrinsic, models, register_model
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
     "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
-    "vsplat", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax", "vhmax", "vhsum", "vstore_hsums",
-    "vtranspose", "vexp2", "vtanh", "prefetch",
+    "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax", "vhmax",
+    "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -119,9 +119,9 @@ def _array_vec(arr, name, writable=False):
     return _VEC[arr.dtype]
 
 
-def _check_index(i):
+def _check_index(i, name="i"):
     if not isinstance(i, types.Integer):
-        raise errors.TypingError("`i` must be an integer, got %s" % i)
+        raise errors.TypingError("`%s` must be an integer, got %s" % (name, i))
 
 
 def _same_vec(*args):
@@ -340,6 +340,18 @@ def vsplat(typingctx, x, like):
 
 
 @intrinsic
+def viota(typingctx, like):
+    """The vector 0, 1, ..., lanes - 1; its type is that of `like` (as for `vsplat`)."""
+    vec = _like_vec(like)
+
+    def codegen(context, builder, sig, args):
+        llvec = _vec_ll(vec)
+        return ir.Constant(llvec, [ir.Constant(llvec.element, float(k)) for k in range(vec.lanes)])
+
+    return vec(like), codegen
+
+
+@intrinsic
 def vzeros(typingctx, like):
     """The zero vector of the type of `like` (a vector, or an array giving the dtype)."""
     vec = _like_vec(like)
@@ -422,12 +434,13 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
 
     The pairwise trees of all the sums share their shuffles: each level folds two vectors into
     one, adding the halves of blocks of lanes as `vhsum` adds the halves of a vector, so 16 sums
-    of 16 lanes cost 15 folds (about what two `vhsum` calls cost per sum saved). For the dot
-    products of the decode kernel, which end in one sum per (query row, key).
+    of 16 lanes take 15 folds of two shuffles and an add, where 16 `vhsum` calls take 64 steps
+    of one shuffle and an add. For the dot products of the decode kernel, which end in one sum
+    per (query row, key).
     """
     _array_vec(arr, "arr", writable=True)
     _check_index(i)
-    _check_index(stride)
+    _check_index(stride, "stride")
     if not (isinstance(vecs, types.UniTuple) and isinstance(vecs.dtype, Vec)
             and vecs.dtype.dtype == arr.dtype and len(vecs) % 4 == 0):
         raise errors.TypingError("`vecs` must be a tuple of 4 * R vectors of %s, got %s"
@@ -491,7 +504,7 @@ def _rows_load(name=None, widen_bits=None):
             raise errors.TypingError("`arr` must be a uint16 array (%s bits), got %s"
                                      % (name, arr))
         _check_index(i)
-        _check_index(stride)
+        _check_index(stride, "stride")
         block = types.UniTuple(vec, vec.lanes)
 
         def codegen(context, builder, sig, args):

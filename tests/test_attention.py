@@ -84,9 +84,9 @@ def test_bshd_layout_matches_bhsd(rng):
     assert_close_to_reference(out, q, k, v, lse=lse, layout="bshd", causal=True)
 
 
-def strided_views(rng):
-    """Views of the same (2, 3, 60, 24) data with unusual strides."""
-    base = rng.standard_normal((2, 3, 60, 24)).astype(np.float32)
+def strided_views(rng, d=24):
+    """Views of the same (2, 3, 60, d) data with unusual strides."""
+    base = rng.standard_normal((2, 3, 60, d)).astype(np.float32)
     fortran = np.asfortranarray(base)
     transposed = np.ascontiguousarray(base.transpose(3, 2, 1, 0)).transpose(3, 2, 1, 0)
     sliced = np.repeat(base, 2, axis=-1)[..., ::2]
@@ -97,13 +97,17 @@ def strided_views(rng):
                   "negative": flipped, "readonly": readonly}
 
 
-def test_any_strides_give_the_same_bits(rng):
-    base, views = strided_views(rng)
+@pytest.mark.parametrize("d", [24, 64])  # 64: rows of whole vectors where the strides allow
+def test_any_strides_give_the_same_bits(rng, d):
+    base, views = strided_views(rng, d)
     expected = cpuflash.attention(base, base, base, causal=True)
     for name, view in views.items():
         np.testing.assert_array_equal(view, base)
         got = cpuflash.attention(view, view, view, causal=True)
         np.testing.assert_array_equal(got, expected, err_msg=name)
+        out = np.zeros(view.shape[:-1] + (2 * d,), np.float32)[..., ::2]  # strided rows
+        cpuflash.attention(view, view, view, causal=True, out=out)
+        np.testing.assert_array_equal(out, expected, err_msg=name + " into a strided out")
 
 
 def test_inputs_are_not_modified(rng):
@@ -194,6 +198,13 @@ plain = attention_reference(q, k[:, :2], v[:, :2], dtype=np.float32, **kwargs)
 assert np.abs(out - ref).max() <= 2 * np.abs(plain - ref).max() + 1e-6
 dec = cpuflash.attention_with_kvcache(q[:, :, :1], k, v, num_splits=3)
 assert np.allclose(dec, attention_reference(q[:, :, :1], k, v, causal=True), atol=1e-5)
+# rows of whole vectors (8 lanes; 4 for float64): transposed packing, vector bias and output
+for dtype in (np.float32, np.float64, np.float16):
+    qd, kd, vd = (rng.standard_normal((1, 2, n, 64)).astype(dtype) for n in (70, 90, 90))
+    bias = rng.standard_normal((70, 90)).astype(np.float32)
+    got = cpuflash.attention(qd, kd, vd, causal=True, bias=bias).astype(np.float64)
+    ref = attention_reference(qd, kd, vd, causal=True, bias=bias)
+    assert np.allclose(got, ref, atol=2e-3 if dtype == np.float16 else 1e-5)
 # decoding with rows read in place: 4-lane float64 sums, float16 bits widened as loaded
 for dtype in (np.float64, np.float16):
     qd, kd, vd = (rng.standard_normal((1, h, n, 64)).astype(dtype) for h, n in

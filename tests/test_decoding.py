@@ -141,6 +141,16 @@ def test_bshd_cache_layout(rng):
     np.testing.assert_allclose(np.swapaxes(got, 1, 2), expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("hq,hk", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8 and 1 rows
+def test_rows_read_in_place_with_wide_values(rng, hq, hk):
+    """Head dims of whole vectors (the 4-row x 4-key and 4-row x 4-vector micro-kernels), with
+    groups that are no multiple of 4 rows, paged and not."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, hq=hq, hk=hk, d=64, d_v=128, n_max=700)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True)
+    check_against_cache(out, lse, q, k_cache, v_cache, seqlens, 1, causal=True)
+
+
 @pytest.mark.parametrize("which", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 40])  # rows read in place (widened as loaded) / copied
 def test_half_precision_cache(rng, which, d):

@@ -274,6 +274,14 @@ def determinism_cases():
             cases[f"attention-{what}-{n}"] = (
                 lambda q=q, k=k, v=v, kw=kwargs: cpuflash.attention(q, k, v, return_lse=True,
                                                                     **kw))
+    for dtype in (np.float32, np.float16):  # rows of whole vectors: packed and written as such
+        q, k, v = random_qkv(rng, (1, 1, 300, 64), (1, 1, 333, 64), d_v=64, dtype=dtype)
+        bias = rng.standard_normal((300, 333)).astype(np.float32)
+        for what, kwargs in {"causal": dict(causal=True), "window": dict(window=(40, 7)),
+                             "bias": dict(bias=bias)}.items():
+            cases[f"attention-{what}-{np.dtype(dtype).name}-d64"] = (
+                lambda q=q, k=k, v=v, kw=kwargs: cpuflash.attention(q, k, v, return_lse=True,
+                                                                    **kw))
     vq, vk, vv, cu_q, cu_k = packed(rng, [290, 3, 0, 17], [300, 5, 9, 200])
     cases["varlen"] = lambda: cpuflash.attention_varlen(vq, vk, vv, cu_q, cu_k, causal=True,
                                                         window=(100, -1), return_lse=True)
@@ -292,6 +300,14 @@ def determinism_cases():
                 lambda qq=qq, s=splits: cpuflash.attention_with_kvcache(
                     qq, k_cache, v_cache, cache_seqlens=np.array([1900], np.int32),
                     num_splits=s, return_lse=True))
+    # cache rows read in place: GQA groups of 3 rows (the 4-row micro-kernels with a short group)
+    gq = rng.standard_normal((1, 6, 1, 64)).astype(np.float32)
+    gk = rng.standard_normal((1, 2, 2000, 64)).astype(np.float32)
+    gv = rng.standard_normal((1, 2, 2000, 128)).astype(np.float32)
+    for splits in (1, 3):
+        cases[f"kvcache-in-place-splits{splits}"] = (
+            lambda s=splits: cpuflash.attention_with_kvcache(gq, gk, gv, num_splits=s,
+                                                             return_lse=True))
     return cases
 
 

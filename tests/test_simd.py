@@ -15,9 +15,9 @@ from numba.core.errors import TypingError
 
 from cpuflash import _simd
 from cpuflash._simd import (
-    LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload,
-    vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul, vsplat, vstore,
-    vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
+    LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum,
+    viota, vload, vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul,
+    vsplat, vstore, vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
@@ -469,3 +469,14 @@ def test_abs_clears_the_sign_and_keeps_nan(dtype):
     absolute(x, out, n)
     np.testing.assert_array_equal(out, np.abs(x))
     assert not np.signbit(out).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_iota_counts_the_lanes(dtype):
+    @numba.njit
+    def iota(out):
+        vstore(out, 0, viota(out))
+
+    out = np.zeros(lanes_for(dtype), dtype)
+    iota(out)
+    np.testing.assert_array_equal(out, np.arange(out.size))

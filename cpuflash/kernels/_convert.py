@@ -2,10 +2,10 @@
 
 float16 and bfloat16 arrays reach the kernels as their uint16 bits (Numba has no bfloat16), and
 are widened to float32 while a tile is packed (or, in the decode kernel, as cache rows are
-loaded), so no full-size float32 copy of q, k or v is ever made. `widen` and `narrow` convert
-one element; `load_widened` and `load_block` whole SIMD vectors of rows that `vector_rows`
-approves. All are generic over the array dtype: for float32 and float64 arrays the conversions
-compile to nothing.
+loaded), so no full-size float32 copy of q, k or v is ever made, and outputs are rounded back as
+they are stored. `widen` and `narrow` convert one element; `load_widened`, `load_block` and
+`store_narrowed` whole SIMD vectors of rows that `vector_rows` approves. All are generic over the
+array dtype: for float32 and float64 arrays the conversions compile to nothing.
 """
 
 import numpy as np
@@ -110,14 +110,29 @@ def _narrow(value, like, kind):
 
 
 @jit
-def vector_rows(arr, n):
-    """Whether the rows of the 4-D `arr` (its last axis) can be read as whole SIMD vectors of
-    `n` lanes: contiguous, a whole number of vectors long, and every stride a whole number of
-    elements (so `row_offset` is exact)."""
+def contiguous_rows(arr):
+    """Whether the rows of the 4-D `arr` (its last axis) are contiguous and every stride is a
+    whole number of elements (0 included: broadcast axes), so `row_offset` is exact."""
     size = arr.itemsize
-    return (arr.strides[3] == size and arr.shape[3] % n == 0
-            and arr.strides[0] % size == 0 and arr.strides[1] % size == 0
-            and arr.strides[2] % size == 0)
+    return (arr.strides[3] == size and arr.strides[0] % size == 0
+            and arr.strides[1] % size == 0 and arr.strides[2] % size == 0)
+
+
+@jit
+def vector_rows(arr, n):
+    """Whether the rows of the 4-D `arr` can be read as whole SIMD vectors of `n` lanes:
+    `contiguous_rows`, and a whole number of vectors long."""
+    return contiguous_rows(arr) and arr.shape[3] % n == 0
+
+
+def like_dtype(value, arr):
+    """The number `value` as a scalar of `arr`'s dtype (rounded once, like every element)."""
+
+
+@overload(like_dtype, jit_options=OPTIONS)
+def _like_dtype(value, arr):
+    dtype = arr.dtype
+    return lambda value, arr: dtype(value)
 
 
 @jit

@@ -27,10 +27,10 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _simd
 from .._jit import OPTIONS, jit
-from .._simd import vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, vload, vmax, vmul, vsplat, \
-    vstore, vsub, vtanh, vtranspose, vzeros
-from ._convert import load_block, load_widened, narrow, row_offset, store_narrowed, vector_rows, \
-    widen
+from .._simd import vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, viota, vload, vmax, vmul, \
+    vsplat, vstore, vsub, vtanh, vtranspose, vzeros
+from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
+    store_narrowed, vector_rows, widen
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
@@ -309,8 +309,7 @@ def alibi_tile(scores, rows, cols, slope, offset, lo_off, hi_off):
     """s -= slope * |i - j| with i - j = r + offset - c (bottom-right aligned distance), over
     the whole vectors of each row's span (the padding past `cols` is never read)."""
     n = lanes(scores)
-    lane = np.arange(n).astype(scores.dtype)  # distance = (r + offset - c) - lane
-    lane_v, minus_slope = vload(lane, 0), vsplat(-slope, scores)
+    lane_v, minus_slope = viota(scores), vsplat(-slope, scores)  # distance: r + offset - c - lane
     for r in range(rows):
         base = r * scores.shape[1]
         first, end = row_span(r, cols, lo_off, hi_off, n)
@@ -324,9 +323,7 @@ def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult, lo_off, hi_off):
     """s += mult * bias[bb, h, q0 + r, kb + c] over each row's span, read through the bias's
     broadcast strides."""
     n = lanes(scores)
-    size = bias.itemsize
-    rows_of_vectors = (bias.strides[3] == size and bias.strides[0] % size == 0  # (strides may
-                       and bias.strides[1] % size == 0 and bias.strides[2] % size == 0)  # be 0)
+    rows_of_vectors = contiguous_rows(bias)
     mult_v = vsplat(mult, scores)
     for r in range(rows):
         first, end = row_span(r, cols, lo_off, hi_off, n)
@@ -553,6 +550,7 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
     zeros and lse -inf (the sink's value when there is one).
     """
     n = lanes(acc)
+    whole_vectors = vector_rows(out, n)
     for r in range(rows):
         m, total = row_max[r], row_sum[r]
         if sink != -np.inf:
@@ -562,7 +560,8 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
             m = top
         else:
             norm = 1.0 / total if total != 0 else 0.0  # NaN stays NaN
-        if vector_rows(out, n):  # whole vectors (rounded to a half-precision output)
+        norm = like_dtype(norm, acc)  # one rounding, whichever way the row is written
+        if whole_vectors:  # (rounded to a half-precision output as it is stored)
             o = row_offset(out, b, h, start + r)
             scale = vsplat(norm, acc)
             for x in range(0, out.shape[3], n):

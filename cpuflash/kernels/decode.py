@@ -57,6 +57,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         row_max = np.full(rows, -np.inf, dtype=part_lse.dtype)
         row_sum = np.zeros(rows, dtype=part_lse.dtype)
         alpha = np.empty(rows, dtype=part_lse.dtype)
+        everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
         k_offsets = np.empty(block_k, dtype=np.int64)
         v_offsets = np.empty(block_k, dtype=np.int64)
         for r in range(rows):
@@ -77,7 +78,6 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
                 _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols,
                           k_rows, k_offsets, 0, half)
-            everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -137,7 +137,10 @@ def _round_up(x, multiple):
 @jit
 def _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets):
     """offsets[c] = flat element offset of the cache row of position start + c (batch b,
-    head h), walking the pages without a division per row."""
+    head h), walking the pages without a division per row. Nothing is read for no rows (the
+    page of `start` may then lie past the table)."""
+    if cols <= 0:
+        return
     page_stride = cache.strides[0] // cache.itemsize
     row_stride = cache.strides[2] // cache.itemsize
     head_offset = h * (cache.strides[1] // cache.itemsize)

@@ -22,6 +22,7 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
     cdtype = lse.dtype
     shift = n_k - n_q
     right = 0 if causal else -1
+    everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # FA-1 skips no panels
     for bh in prange(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         hk = h // group
@@ -41,7 +42,6 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
                 _steps.pack_rows(q, b, h, q0, rows, q_tile, 0)
-                everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # FA-1 skips no panels
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols, *everything)
                 _steps.scale_tile(scores, rows, cols, qk_scale, *everything)
                 if causal and kb + cols - 1 > q0 + shift:
