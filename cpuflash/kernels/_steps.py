@@ -53,12 +53,17 @@ def _lanes(arr):
 
 
 @jit
+def round_up(x, multiple):
+    """The least multiple of `multiple` that is >= x (x >= 0)."""
+    return (x + multiple - 1) // multiple * multiple
+
+
+@jit
 def tile_buffers(block_q, block_k, d, dv, like):
     """Zeroed q_tile, k_panels, v_tile, scores and acc of one thread, in `like`'s dtype."""
     dtype = like.dtype
     width = 2 * lanes(like)
-    keys = (block_k + width - 1) // width * width
-    dvp = (dv + width - 1) // width * width
+    keys, dvp = round_up(block_k, width), round_up(dv, width)
     return (np.zeros((block_q, d), dtype=dtype), np.zeros((keys // width, d, width), dtype=dtype),
             np.zeros((keys, dvp), dtype=dtype), np.zeros((block_q, keys), dtype=dtype),
             np.zeros((block_q, dvp), dtype=dtype))
@@ -260,9 +265,8 @@ def row_span(r, cols, lo_off, hi_off, n):
     r + lo_off .. r + hi_off of a block of `cols` columns (see `qk_tile`); empty when it sees
     none. The score steps after Q K^T work on these columns only, and `softmax_update` reads
     only these."""
-    width = (cols + n - 1) // n * n
     first = max(0, r + lo_off) // n * n
-    end = min(width, (max(0, r + hi_off + 1) + n - 1) // n * n)
+    end = min(round_up(cols, n), round_up(max(0, r + hi_off + 1), n))
     return first, end
 
 
@@ -385,7 +389,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
     """
     n = lanes(scores)
     sw = scores.shape[1]
-    width = (cols + n - 1) // n * n
+    width = round_up(cols, n)
     log2e = vsplat(LOG2E, scores)
     full_groups = rows - rows % ROWS
     for r in range(rows):

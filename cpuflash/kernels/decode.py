@@ -25,7 +25,7 @@ from numba import prange, types
 from .._jit import Kernel, array, jit
 from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vsplat, vstore, vstore_hsums, vzeros
 from . import _steps
-from ._convert import load_widened, vector_rows, widen
+from ._convert import load_widened, row_offset, vector_rows, widen
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -123,15 +123,11 @@ def _buffers(rows, block_k, copied, d, dv, like):
     of scores to a multiple of four (`_dot_rows` stores four rows at a time)."""
     dtype = like.dtype
     n = _steps.lanes(like)
-    dp, keys, dvp = _round_up(d, n), _round_up(block_k, 2 * n), _round_up(dv, 2 * n)
+    dp, dvp = _steps.round_up(d, n), _steps.round_up(dv, 2 * n)
+    keys, score_rows = _steps.round_up(block_k, 2 * n), _steps.round_up(rows, 4)
     return (np.zeros((rows, dp), dtype=dtype), np.zeros((copied, dp), dtype=dtype),
-            np.zeros((copied, dvp), dtype=dtype), np.zeros((_round_up(rows, 4), keys), dtype=dtype),
+            np.zeros((copied, dvp), dtype=dtype), np.zeros((score_rows, keys), dtype=dtype),
             np.zeros((rows, dvp), dtype=dtype))
-
-
-@jit
-def _round_up(x, multiple):
-    return (x + multiple - 1) // multiple * multiple
 
 
 @jit
@@ -141,18 +137,16 @@ def _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets):
     page of `start` may then lie past the table)."""
     if cols <= 0:
         return
-    page_stride = cache.strides[0] // cache.itemsize
     row_stride = cache.strides[2] // cache.itemsize
-    head_offset = h * (cache.strides[1] // cache.itemsize)
     index, row = start // page_size, start % page_size
-    offset = block_table[b, index] * page_stride + head_offset + row * row_stride
+    offset = row_offset(cache, block_table[b, index], h, row)
     for c in range(cols):
         offsets[c] = offset
         row += 1
         offset += row_stride
         if row == page_size and c + 1 < cols:
             index, row = index + 1, 0
-            offset = block_table[b, index] * page_stride + head_offset
+            offset = row_offset(cache, block_table[b, index], h, 0)
 
 
 @jit
