@@ -60,19 +60,37 @@ def work_items(seqs, n_heads, block_q, window, block_k):
 def balance(items, cost, n_threads):
     """Reorder `items` into `n_threads` chunks of similar total cost.
 
-    Returns ``(items, chunk_ptr)``: chunk `c` is ``items[chunk_ptr[c]:chunk_ptr[c+1]]``. Items are
-    dealt heaviest first in a snake order (0, 1, .., n-1, n-1, .., 1, 0, 0, 1, ..), so each round
-    of dealing gives back to the chunks that the previous round served last.
+    Returns ``(items, chunk_ptr)``: chunk `c` is ``items[chunk_ptr[c]:chunk_ptr[c+1]]``. Within
+    a chunk the items run by sequence, head and first row, so that consecutive tiles of one head
+    follow each other and the key blocks they share are still in the core's caches (or, for the
+    forward kernel, still packed). Of two deals, the one whose heaviest chunk is lighter is kept,
+    the first on a tie:
+
+    * **runs**: the items in that order, cut into consecutive runs of about equal cost (best for
+      reuse; exact when the items cost the same);
+    * **snake**: heaviest first, in a snake order (0, 1, .., n-1, n-1, .., 1, 0, 0, 1, ..), so each
+      round of dealing gives back to the chunks that the previous round served last (balances
+      causal tiles of very different costs).
     """
     n_chunks = max(1, min(n_threads, len(items)))
-    if n_chunks == 1:
-        return items, np.array([0, len(items)], dtype=np.int64)
+    in_order = np.lexsort((items[:, 2], items[:, 1], items[:, 0]))
+    # runs: chunk c takes the items whose cost midpoint falls in the c-th equal share
+    total = np.cumsum(cost[in_order])
+    midpoint = total - cost[in_order] / 2
+    runs = np.empty(len(items), dtype=np.int64)
+    runs[in_order] = np.minimum(n_chunks - 1, midpoint * n_chunks // max(1, total[-1:].sum()))
+    # snake
     order = np.argsort(-cost, kind="stable")
     rank = np.arange(len(items))
     seat = rank % n_chunks
-    owner = np.empty(len(items), dtype=np.int64)
-    owner[order] = np.where((rank // n_chunks) % 2 == 0, seat, n_chunks - 1 - seat)
-    by_chunk = np.argsort(owner, kind="stable")
+    snake = np.empty(len(items), dtype=np.int64)
+    snake[order] = np.where((rank // n_chunks) % 2 == 0, seat, n_chunks - 1 - seat)
+
+    def heaviest(owner):
+        return np.bincount(owner, weights=cost, minlength=n_chunks).max(initial=0)
+
+    owner = runs if heaviest(runs) <= heaviest(snake) else snake
+    by_chunk = np.lexsort((items[:, 2], items[:, 1], items[:, 0], owner))
     chunk_ptr = np.zeros(n_chunks + 1, dtype=np.int64)
     chunk_ptr[1:] = np.cumsum(np.bincount(owner, minlength=n_chunks))
     return np.ascontiguousarray(items[by_chunk]), chunk_ptr
