@@ -35,8 +35,8 @@ from numba.extending import intrinsic, models, register_model
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
     "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
-    "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax", "vhmax",
-    "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
+    "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax",
+    "vfill_outside", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -409,6 +409,33 @@ def vmax(typingctx, a, b):
     """
     vec = _same_vec(a, b)
     return vec(a, b), lambda context, builder, sig, args: _max(builder, *args)
+
+
+@intrinsic
+def vfill_outside(typingctx, vec, first, end, value):
+    """`vec` with the lanes outside ``first .. end - 1`` set to `value` (any integers: a range
+    past either side keeps no lane or every lane). Two compares and a blend; the lanes kept
+    keep their bits."""
+    _same_vec(vec)
+    _check_index(first, "first")
+    _check_index(end, "end")
+    if not isinstance(value, (types.Float, types.Integer)):
+        raise errors.TypingError("`value` must be a real number, got %s" % value)
+
+    def codegen(context, builder, sig, args):
+        vec_arg, first_arg, end_arg, value_arg = args
+        llvec = vec_arg.type
+        i64 = ir.IntType(64)
+        lanes = ir.Constant(ir.VectorType(i64, llvec.count),
+                            [ir.Constant(i64, k) for k in range(llvec.count)])
+        lo = _splat(builder, context.cast(builder, first_arg, first, types.int64), lanes.type)
+        hi = _splat(builder, context.cast(builder, end_arg, end, types.int64), lanes.type)
+        keep = builder.and_(builder.icmp_signed(">=", lanes, lo),
+                            builder.icmp_signed("<", lanes, hi))
+        fill = _splat(builder, context.cast(builder, value_arg, value, vec.dtype), llvec)
+        return builder.select(keep, vec_arg, fill)
+
+    return vec(vec, first, end, value), codegen
 
 
 # -- horizontal reductions

@@ -15,8 +15,8 @@ from numba.core.errors import TypingError
 
 from cpuflash import _simd
 from cpuflash._simd import (
-    LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum,
-    viota, vload, vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul,
+    LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma,
+    vhmax, vhsum, viota, vload, vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul,
     vsplat, vstore, vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
 )
 
@@ -469,6 +469,26 @@ def test_abs_clears_the_sign_and_keeps_nan(dtype):
     absolute(x, out, n)
     np.testing.assert_array_equal(out, np.abs(x))
     assert not np.signbit(out).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fill_outside_keeps_a_range_of_lanes_bit_for_bit(dtype):
+    @numba.njit
+    def fill(x, out, first, end, value):
+        vstore(out, 0, vfill_outside(vload(x, 0), first, end, value))
+
+    n = lanes_for(dtype)
+    x = np.array([np.nan, -0.0, np.inf, -np.inf, 1.5, -2.0, 3e-30, 7.0] * n, dtype)[:n]
+    out = np.empty_like(x)
+    lane = np.arange(n)
+    for first, end in ((0, n), (1, n - 1), (3, 3), (5, 2), (-7, 2), (n - 1, 10 * n),
+                       (-(1 << 40), 1 << 40), (n, n + 4)):
+        for value in (-np.inf, 0.0):
+            fill(x, out, first, end, value)
+            keep = (lane >= first) & (lane < end)
+            expected = np.where(keep, x, value).astype(dtype)
+            np.testing.assert_array_equal(out.view(f"u{x.itemsize}"),
+                                          expected.view(f"u{x.itemsize}"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

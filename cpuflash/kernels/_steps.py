@@ -27,8 +27,8 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _simd
 from .._jit import OPTIONS, jit
-from .._simd import vabs, vadd, vbroadcast, vexp2, vfma, vhmax, vhsum, viota, vload, vmax, vmul, \
-    vsplat, vstore, vsub, vtanh, vtranspose, vzeros
+from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
+    vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
 
@@ -119,9 +119,12 @@ def pack_key_panels(k, b, h, start, cols, k_panels, half):
 
 
 @jit
-def qk_tile(q_tile, k_panels, scores, rows, cols, lo_off, hi_off):
-    """scores[:rows, :cols] = q_tile[:rows] @ keys^T, panel by panel, ROWS rows at a time
-    (two panels at a time where the CPU has 32 vector registers).
+def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+    """scores[:rows, :cols] = mult * (q_tile[:rows] @ keys^T), panel by panel, ROWS rows at a
+    time (two panels at a time where the CPU has 32 vector registers). The scale is applied
+    to each finished sum in registers, as it is stored: scaling Q first would round every query
+    element (and float64 then misses the accuracy rule on large logits), and a pass of its own
+    over the scores would cost a trip through the cache.
 
     Row r sees tile columns r + lo_off .. r + hi_off (a window band; +-UNBOUNDED when it sees
     them all): panels that no row of a row group can see are skipped (on a band's edge, one of a
@@ -138,14 +141,15 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, lo_off, hi_off):
             first = _sees(panel, w, r, ROWS, lo_off, hi_off)
             second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
             if first and second:
-                _qk_micro6w(q_tile, r, k_panels, panel, scores)
+                _qk_micro6w(q_tile, r, k_panels, panel, scores, mult)
             elif first or second:
-                _qk_micro6(q_tile, r, k_panels, panel if first else panel + 1, scores)
+                _qk_micro6(q_tile, r, k_panels, panel if first else panel + 1, scores,
+                           mult)
             r += ROWS
         for r in range(r, rows):
             for p in range(panel, panel + 2 if pair else panel + 1):
                 if _sees(p, w, r, 1, lo_off, hi_off):
-                    _qk_micro1(q_tile, r, k_panels, p, scores)
+                    _qk_micro1(q_tile, r, k_panels, p, scores, mult)
         panel += 2 if pair else 1
 
 
@@ -156,7 +160,7 @@ def _sees(panel, w, r, n_rows, lo_off, hi_off):
 
 
 @jit
-def _qk_micro6(q_tile, r, k_panels, panel, scores):
+def _qk_micro6(q_tile, r, k_panels, panel, scores, mult):
     """Six rows x one panel of scores, accumulated in 12 vector registers.
 
     The sum over D runs in chunks of `DOT_CHUNK` that start from zero and are added to the
@@ -186,17 +190,17 @@ def _qk_micro6(q_tile, r, k_panels, panel, scores):
             e0, e1 = vfma(s, k0, e0), vfma(s, k1, e1)
             s = vbroadcast(q_tile, q + 5 * d + x)
             f0, f1 = vfma(s, k0, f0), vfma(s, k1, f1)
-        first = x0 == 0
-        _store_or_add(scores, out, a0, a1, first)
-        _store_or_add(scores, out + sw, b0, b1, first)
-        _store_or_add(scores, out + 2 * sw, c0, c1, first)
-        _store_or_add(scores, out + 3 * sw, d0, d1, first)
-        _store_or_add(scores, out + 4 * sw, e0, e1, first)
-        _store_or_add(scores, out + 5 * sw, f0, f1, first)
+        first, last = x0 == 0, x0 + DOT_CHUNK >= d
+        _store_or_add(scores, out, a0, a1, first, last, mult)
+        _store_or_add(scores, out + sw, b0, b1, first, last, mult)
+        _store_or_add(scores, out + 2 * sw, c0, c1, first, last, mult)
+        _store_or_add(scores, out + 3 * sw, d0, d1, first, last, mult)
+        _store_or_add(scores, out + 4 * sw, e0, e1, first, last, mult)
+        _store_or_add(scores, out + 5 * sw, f0, f1, first, last, mult)
 
 
 @jit
-def _qk_micro6w(q_tile, r, k_panels, panel, scores):
+def _qk_micro6w(q_tile, r, k_panels, panel, scores, mult):
     """Six rows x two panels (four vectors) of scores in 24 registers: each broadcast query
     element feeds four FMAs instead of two. Same sums, in the same order, as `_qk_micro6`."""
     d, w = q_tile.shape[1], k_panels.shape[2]
@@ -225,16 +229,16 @@ def _qk_micro6w(q_tile, r, k_panels, panel, scores):
             e0, e1, e2, e3 = vfma(s, k0, e0), vfma(s, k1, e1), vfma(s, k2, e2), vfma(s, k3, e3)
             s = vbroadcast(q_tile, q + 5 * d + x)
             f0, f1, f2, f3 = vfma(s, k0, f0), vfma(s, k1, f1), vfma(s, k2, f2), vfma(s, k3, f3)
-        first = x0 == 0
+        first, last = x0 == 0, x0 + DOT_CHUNK >= d
         for row, lo, hi, lo2, hi2 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
                                       (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
                                       (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-            _store_or_add(scores, out + row * sw, lo, hi, first)
-            _store_or_add(scores, out + row * sw + w, lo2, hi2, first)
+            _store_or_add(scores, out + row * sw, lo, hi, first, last, mult)
+            _store_or_add(scores, out + row * sw + w, lo2, hi2, first, last, mult)
 
 
 @jit
-def _qk_micro1(q_tile, r, k_panels, panel, scores):
+def _qk_micro1(q_tile, r, k_panels, panel, scores, mult):
     """One row x one panel: the remainder rows of a tile."""
     d, w = q_tile.shape[1], k_panels.shape[2]
     n = lanes(q_tile)
@@ -245,16 +249,21 @@ def _qk_micro1(q_tile, r, k_panels, panel, scores):
             s = vbroadcast(q_tile, r * d + x)
             a0 = vfma(s, vload(k_panels, kp + x * w), a0)
             a1 = vfma(s, vload(k_panels, kp + x * w + n), a1)
-        _store_or_add(scores, r * scores.shape[1] + panel * w, a0, a1, x0 == 0)
+        _store_or_add(scores, r * scores.shape[1] + panel * w, a0, a1, x0 == 0,
+                      x0 + DOT_CHUNK >= d, mult)
 
 
 @jit
-def _store_or_add(scores, o, lo, hi, first):
-    """scores[o : o + 2 vectors] = (lo, hi), or += (lo, hi) after the first chunk."""
+def _store_or_add(scores, o, lo, hi, first, last, mult):
+    """scores[o : o + 2 vectors] = (lo, hi), or += (lo, hi) after the first chunk; the sum of
+    the last chunk is multiplied by `mult` before it is stored."""
     n = lanes(scores)
     if not first:
         lo = vadd(lo, vload(scores, o))
         hi = vadd(hi, vload(scores, o + n))
+    if last:
+        scale = vsplat(mult, scores)
+        lo, hi = vmul(scale, lo), vmul(scale, hi)
     vstore(scores, o, lo)
     vstore(scores, o + n, hi)
 
@@ -346,19 +355,27 @@ def add_tile(scores, bias, bb, h, q0, kb, rows, cols, mult, lo_off, hi_off):
 
 @jit
 def band_mask_tile(scores, rows, cols, offset, left, right, lo_off, hi_off):
-    """Hide keys outside the band left/right of the diagonal (causal is right = 0): per row, two
-    runs of -inf, before and after the visible columns, within the row's span."""
+    """Hide keys outside the band left/right of the diagonal (causal is right = 0): per row,
+    -inf before and after the visible columns, in the whole vectors of the row's span that hold
+    hidden columns (with exact spans, just its first and last vector)."""
     n = lanes(scores)
     for r in range(rows):
         diag = r + offset  # the tile column under row r's diagonal
         first = min(cols, max(0, diag - left)) if left >= 0 else 0
         end = min(cols, max(0, diag + right + 1)) if right >= 0 else cols
         span0, span1 = row_span(r, cols, lo_off, hi_off, n)
-        span1 = min(span1, cols)
-        for c in range(span0, min(first, span1)):
-            scores[r, c] = -np.inf
-        for c in range(max(first, end, span0), span1):
-            scores[r, c] = -np.inf
+        base = r * scores.shape[1]
+        before = min(span1, round_up(first, n))  # vectors holding a column left of the band
+        for c in range(span0, before, n):
+            _hide_outside(scores, base + c, first - c, end - c)
+        for c in range(max(before, end // n * n), span1, n):  # ... right of it
+            _hide_outside(scores, base + c, first - c, end - c)
+
+
+@jit
+def _hide_outside(scores, o, first, end):
+    """-inf in the lanes of the vector at `o` outside lanes first .. end - 1."""
+    vstore(scores, o, vfill_outside(vload(scores, o), first, end, -np.inf))
 
 
 @jit
@@ -418,13 +435,16 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
                 total = vadd(total, p)
             row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
             row_max[r] = new_max
-        # zeros where the row's group reads keys this row cannot see (pv_tile's key range)
+        # zeros where the row's group reads keys this row cannot see (pv_tile's key range), in
+        # whole vectors: `first` and `end` are multiples of n, and past the group's range no
+        # one reads this row's scores
         group = r - r % ROWS if r < full_groups else r
         span = ROWS if r < full_groups else 1
-        for c in range(max(0, group + lo_off), min(first, cols)):
-            scores[r, c] = 0.0
-        for c in range(max(end, 0), min(cols, group + span + hi_off)):
-            scores[r, c] = 0.0
+        zeros = vzeros(scores)
+        for c in range(max(0, group + lo_off) // n * n, min(first, cols), n):
+            vstore(scores, base + c, zeros)
+        for c in range(end, min(cols, group + span + hi_off), n):
+            vstore(scores, base + c, zeros)
 
 
 @jit

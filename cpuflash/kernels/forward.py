@@ -85,10 +85,8 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
                     _steps.pack_rows(v, bk, hk, k_start + kb + first, end - first,
                                      v_tile[first:], half)
 
-                # -- S = scale * Q K^T, scaled after the sum: scaling Q first would round every
-                # query element, and float64 then misses the accuracy rule on large logits
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, lo, hi)
-                _steps.scale_tile(scores, rows, cols, s_mult, lo, hi)
+                # -- S = scale * Q K^T
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo, hi)
 
                 # -- score modifiers, in the order of the score pipeline, on each row's band
                 if softcap > 0:
