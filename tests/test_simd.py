@@ -16,8 +16,9 @@ from numba.core.errors import TypingError
 from cpuflash import _simd
 from cpuflash._simd import (
     LANES_F32, LANES_F64, lanes_for, prefetch, vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma,
-    vhmax, vhsum, viota, vload, vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16, vmax, vmul,
-    vsplat, vstore, vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose, vzeros,
+    vhmax, vhsum, viota, vload, vload_bf16, vload_f16, vload_rows, vload_rows_bf16, vload_rows_f16,
+    vmax, vmul, vsplat, vstore, vstore_bf16, vstore_f16, vstore_hsums, vsub, vtanh, vtranspose,
+    vzeros,
 )
 
 DTYPES = [np.float32, np.float64]
