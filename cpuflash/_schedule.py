@@ -34,9 +34,9 @@ def varlen_table(cu_q, cu_k):
     return seqs
 
 
-def work_items(seqs, n_heads, block_q, window, block_k):
+def work_items(seqs, n_heads, block_q, window, key_align):
     """All (sequence, head, first row) items and the number of query-key pairs each may see
-    (key blocks start at multiples of `block_k`, as in the kernel)."""
+    (a tile's first key block starts at a multiple of `key_align`, as in the kernel)."""
     n_q, n_k = seqs[:, 2], seqs[:, 5]
     blocks = -(-n_q // block_q)
     seq = np.repeat(np.arange(len(seqs)), blocks)
@@ -46,7 +46,7 @@ def work_items(seqs, n_heads, block_q, window, block_k):
     # the same key range the kernel computes for the tile
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
-    k_lo = np.maximum(0, diag0 - left) // block_k * block_k if left >= 0 else np.zeros_like(q0)
+    k_lo = np.maximum(0, diag0 - left) // key_align * key_align if left >= 0 else np.zeros_like(q0)
     k_hi = np.minimum(n_k[seq], diag0 + rows + right) if right >= 0 else n_k[seq]
     pairs = rows * np.maximum(0, k_hi - k_lo)
 

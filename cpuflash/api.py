@@ -86,14 +86,18 @@ def _run_forward(call, seqs):
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
         tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
+        tiles, key_align = tiling.band_tiles(tiles, call.window)
+    else:
+        key_align = tiles.block_k
     tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
+    key_align = min(key_align, tiles.block_k)
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                       tiles.block_k)
+                                       key_align)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
     kernel = fa2_forward.specialize((call.q.dtype, call.compute_dtype))
     left, right = call.window
     kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
-           tiles.block_q, tiles.block_k, call.qk_scale, call.softcap, left, right,
+           tiles.block_q, tiles.block_k, key_align, call.qk_scale, call.softcap, left, right,
            call.half_kind, call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
            call.sinks)
 

@@ -98,3 +98,21 @@ def test_tiles_are_clamped_to_the_call():
         cpuflash.TileConfig(100, 96)
     tiles = cpuflash.TileConfig(64, 64)
     assert tiling.clamp_tiles(tiles, 1000, 1000) is tiles
+
+
+@pytest.mark.parametrize("window", [(256, 0), (0, 0), (100, 7), (3, 300), (0, tiling.MAX_BAND)])
+@pytest.mark.parametrize("block_q", [8, 64, 384])
+def test_a_narrow_window_is_one_key_block_per_tile(window, block_q):
+    band, align = tiling.band_tiles(cpuflash.TileConfig(block_q, 256), window)
+    assert band.block_q == block_q and align == tiling.KEY_PANEL
+    assert band.block_k % tiling.KEY_PANEL == 0
+    left, right = window
+    for diag0 in range(0, 2000, 7):  # the kernel's first key and end of a tile's band
+        k_lo = max(0, diag0 - left) // align * align
+        assert diag0 + block_q + right - k_lo <= band.block_k
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, -1), (tiling.MAX_BAND, 1)])
+def test_other_windows_keep_their_blocks(window):
+    tiles = cpuflash.TileConfig(384, 256)
+    assert tiling.band_tiles(tiles, window) == (tiles, 256)

@@ -24,8 +24,9 @@ from .._jit import Kernel, array
 from . import _steps
 
 
-def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk_scale,
-                 softcap, left, right, half, alibi, bias, bias_map, mask, mask_map, sinks):
+def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
+                 qk_scale, softcap, left, right, half, alibi, bias, bias_map, mask, mask_map,
+                 sinks):
     d = q.shape[3]
     dv = v.shape[3]
     group = q.shape[1] // k.shape[1]
@@ -55,9 +56,11 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, qk
             diag0 = q0 + shift  # key column under the tile's first row
 
             # -- the keys any row of this tile can see; blocks outside are never visited. Blocks
-            # start at multiples of block_k whatever the tile, so every row meets the same key
-            # blocks (and rounds the same way) for any block_q, hence any thread count.
-            k_lo = max(0, diag0 - left) // block_k * block_k if left >= 0 else 0
+            # start at multiples of block_k whatever the tile (key_align = block_k), so every row
+            # meets the same key blocks (and rounds the same way) for any block_q, hence any
+            # thread count; or, for a narrow window (`tiling.band_tiles`), the tile's whole band
+            # is one block from a multiple of key_align, which holds each row's whole band.
+            k_lo = max(0, diag0 - left) // key_align * key_align if left >= 0 else 0
             k_hi = min(n_k, diag0 + rows + right) if right >= 0 else n_k
 
             _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, half)
@@ -125,7 +128,7 @@ def _signature(key):
     i8, f8 = types.int64, types.float64
     return types.void(
         data, data, data, array(dtype, 4), array(compute, 3),
-        index2, index2, index1, i8, i8, f8, f8, i8, i8, i8,
+        index2, index2, index1, i8, i8, i8, f8, f8, i8, i8, i8,
         array(compute, 2, readonly=True), calc4, index1,
         array(np.bool_, 4, readonly=True), index1, array(compute, 1, readonly=True))
 
