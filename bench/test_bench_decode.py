@@ -19,14 +19,13 @@ import numpy as np
 import pytest
 
 import cpuflash
+from cpuflash import benchmark as runner
 from cpuflash.reference import attention_reference
 
 SMALL = os.environ.get("CPUFLASH_BENCH_SMALL") == "1"
 N_KEYS = 1024 if SMALL else 16384
 CASES = {"gqa-32/8": (32, 8), "mqa-8/1": (8, 1)}
 HEAD_DIM = 128
-SETTLE_SECONDS = 0.15  # let another library's spinning threads go to sleep before a sample
-WARM_SECONDS = 0.03  # then let the cores clock up and this library's threads wake (see _timed)
 
 try:
     import torch
@@ -85,14 +84,10 @@ def implementations(q, k_cache, v_cache, halves=False):
 
 
 def _timed(call):
-    """Seconds of one call in steady state, best of three: after a pause (so another library's
-    spinning threads have gone to sleep), then `WARM_SECONDS` of untimed calls, because after a
-    pause the cores have clocked down and the thread pools are asleep (measured: an MQA decode
-    takes 0.38 ms back to back, 0.65-0.9 ms right after a 0.15 s pause and one untimed call)."""
-    time.sleep(SETTLE_SECONDS)
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_SECONDS:
-        call()
+    """Seconds of one call in steady state, best of three, after `cpuflash.benchmark.settle`
+    (a pause for other libraries' spinning threads, then untimed calls while the cores clock
+    up and this library's threads wake)."""
+    runner.settle(call)
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()

@@ -60,10 +60,13 @@ MIN_SAMPLE_SECONDS = 0.02
 # many threads as cores, the spinning threads of the previous implementation steal cores from
 # the next one, which then waits on descheduled threads at every barrier: on 2 cores this was
 # seen to slow a small call down 10-100x. So each timed sample starts after a pause that
-# outlasts the spinning, and a call that is cheap gets one untimed call first to wake its own
-# pool (what a user's loop of calls sees).
+# outlasts the spinning. After the pause the cores have clocked down and the pool is asleep, so
+# a call that is cheap is then called untimed for `WARM_SECONDS` (what a user's loop of calls
+# sees; one untimed call was not enough: an MQA decode took 0.38 ms back to back, 0.65-0.9 ms
+# right after the pause and one call).
 SETTLE_SECONDS = 0.15
 CHEAP_CALL_SECONDS = 0.05
+WARM_SECONDS = 0.03
 
 # The matmul size of the sgemm ceiling (PERFORMANCE.md quotes MKL at 4096^3).
 SGEMM_SIZE = 4096
@@ -369,11 +372,18 @@ def _time_once(fn, number):
     return (time.perf_counter() - start) / number
 
 
-def _settled_sample(fn, number, call_seconds):
-    """Seconds per call of `fn` over `number` calls, after the other thread pools went quiet."""
+def settle(fn, cheap=True):
+    """Wait until the other thread pools went quiet, then, for a `cheap` `fn`, call it untimed
+    for `WARM_SECONDS` (see the comment at `SETTLE_SECONDS`)."""
     time.sleep(SETTLE_SECONDS)
-    if call_seconds < CHEAP_CALL_SECONDS:
+    start = time.perf_counter()
+    while cheap and time.perf_counter() - start < WARM_SECONDS:
         fn()
+
+
+def _settled_sample(fn, number, call_seconds):
+    """Seconds per call of `fn` over `number` calls, after `settle`."""
+    settle(fn, call_seconds < CHEAP_CALL_SECONDS)
     return _time_once(fn, number)
 
 
@@ -404,7 +414,7 @@ def measure(case, implementations=IMPLEMENTATIONS, repeats=5, *, seed=0):
     Notes
     -----
     Each timed sample waits `SETTLE_SECONDS` first, and calls shorter than
-    `CHEAP_CALL_SECONDS` get one untimed call before the sample: see the comment at
+    `CHEAP_CALL_SECONDS` are then called untimed for `WARM_SECONDS`: see the comment at
     `SETTLE_SECONDS`.
     """
     repeats = max(1, int(repeats))
