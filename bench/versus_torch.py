@@ -47,8 +47,7 @@ def main(argv=None):
         best = {name: float("inf") for name in calls}
         for _ in range(args.repeats):
             for name, call in calls.items():
-                time.sleep(runner.SETTLE_SECONDS)  # other library's threads stop spinning
-                call()
+                runner.settle(call)  # other library's threads stop spinning; this one's wake
                 start = time.perf_counter()
                 call()
                 best[name] = min(best[name], time.perf_counter() - start)

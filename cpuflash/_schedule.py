@@ -62,12 +62,12 @@ def balance(items, cost, n_threads):
 
     Returns ``(items, chunk_ptr)``: chunk `c` is ``items[chunk_ptr[c]:chunk_ptr[c+1]]``. Within
     a chunk the items run by sequence, head and first row, so that consecutive tiles of one head
-    follow each other and the key blocks they share are still in the core's caches (or, for the
-    forward kernel, still packed). Of two deals, the one whose heaviest chunk is lighter is kept,
-    the first on a tie:
+    follow each other and the key and value rows they share are still in the core's caches. Of
+    two deals, the one whose heaviest chunk is lighter is kept; on a tie, the one that leaves
+    fewer chunks empty, then the first:
 
     * **runs**: the items in that order, cut into consecutive runs of about equal cost (best for
-      reuse; exact when the items cost the same);
+      the caches; balanced to within one item);
     * **snake**: heaviest first, in a snake order (0, 1, .., n-1, n-1, .., 1, 0, 0, 1, ..), so each
       round of dealing gives back to the chunks that the previous round served last (balances
       causal tiles of very different costs).
@@ -86,10 +86,12 @@ def balance(items, cost, n_threads):
     snake = np.empty(len(items), dtype=np.int64)
     snake[order] = np.where((rank // n_chunks) % 2 == 0, seat, n_chunks - 1 - seat)
 
-    def heaviest(owner):
-        return np.bincount(owner, weights=cost, minlength=n_chunks).max(initial=0)
+    def badness(owner):  # (heaviest chunk, empty chunks): smaller is better
+        loads = np.bincount(owner, weights=cost, minlength=n_chunks)
+        empty = np.bincount(owner, minlength=n_chunks) == 0
+        return loads.max(initial=0), int(empty.sum())
 
-    owner = runs if heaviest(runs) <= heaviest(snake) else snake
+    owner = runs if badness(runs) <= badness(snake) else snake
     by_chunk = np.lexsort((items[:, 2], items[:, 1], items[:, 0], owner))
     chunk_ptr = np.zeros(n_chunks + 1, dtype=np.int64)
     chunk_ptr[1:] = np.cumsum(np.bincount(owner, minlength=n_chunks))

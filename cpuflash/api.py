@@ -54,7 +54,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     out : array, optional
         Where to write the result (shape and dtype of the result); returned.
     tiles : TileConfig or (block_q, block_k), optional
-        Override the tile sizes `choose_tiles` picks from this machine's caches.
+        Override the tile sizes `choose_tiles` picks from this machine's caches. Key blocks
+        then start at multiples of `block_k` for every window (the band blocks of narrow
+        windows, `tiling.band_tiles`, come with the automatic choice only).
 
     Returns
     -------
@@ -86,7 +88,8 @@ def _run_forward(call, seqs):
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
         tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
-        tiles, key_align = tiling.band_tiles(tiles, call.window)
+        tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
+        tiles, key_align = tiling.band_tiles(tiles, call.window)  # sized for the clamped rows
     else:
         key_align = tiles.block_k
     tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
