@@ -22,8 +22,12 @@ DEFAULT_CACHES = {"l1d": 32 * KiB, "l2": 256 * KiB, "l3": 8 * MiB}
 # Key columns per register-blocked micro-tile (two 64-byte vectors of float32). Key blocks are
 # multiples of it so no panel is left half full except at the end of a sequence.
 KEY_PANEL = 32
-# Query rows per micro-tile. Query blocks are multiples of it.
-ROW_GROUP = 8
+# Query blocks are multiples of it: of the micro-kernels' 6-row groups (`_steps.ROWS`) and of 8.
+# The groups then start at the same rows of a sequence for every block_q chosen here. P V sums a
+# group's rows over every key some row of the group sees (a probability of 0 for the others), so
+# a value row holding inf or NaN turns the whole group's output NaN (0 * inf); with groups at
+# fixed rows, that too is the same for every thread count.
+ROW_GROUP = 24
 # Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, README "Tiles"): past
 # 384 x 256 the speed is flat, while fewer, larger work items feed the threads worse.
 MAX_BLOCK_Q = 384
@@ -78,7 +82,7 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
 
           (block_q * (D + Dv + block_k) + block_k * (D + Dv)) * e <= L2_SHARE * L2
 
-      `block_q` is the largest multiple of 8 rows that fits, at most 384: every K/V block is
+      `block_q` is the largest multiple of 24 rows that fits, at most 384: every K/V block is
       then re-used by as many rows as possible (one head's K and V at N = 4096, D = 128 are 4 MB,
       more than L2, so they stream from L3 or memory once per query tile).
 

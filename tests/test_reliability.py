@@ -255,7 +255,7 @@ def test_multiprocessing_fork_pool(tmp_path):
 
 def determinism_cases():
     """name -> zero-argument call. One head and 300 rows: the tile chooser shrinks `block_q`
-    when there are fewer work items than twice the threads (256 rows with 1 thread, 64 with 2),
+    when there are fewer work items than twice the threads (240 rows with 1 thread, 72 with 2),
     so thread counts really change the schedule."""
     rng = np.random.default_rng(11)
     cases = {}
@@ -334,9 +334,35 @@ def test_bits_do_not_depend_on_runs_or_thread_count(name, restore_num_threads):
             assert_same_bits(call(), expected, f"{name} threads={n} run={run}")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("options", [dict(window=(5, 0)), dict(window=(40, 7)),
+                                     dict(causal=True, window=(30, -1)), dict(causal=True),
+                                     dict(window=(-1, 3))])
+def test_bits_do_not_depend_on_the_query_block(monkeypatch, dtype, options):
+    """Every `block_q` that the tile chooser picks for some thread count gives the same bits,
+    with narrow windows (one band block per tile) and wide ones, and with a value row holding
+    inf, which reaches the rows of whichever 6-row groups sum over it."""
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, (1, 2, 230, 40), (1, 1, 250, 40), d_v=24, dtype=dtype)
+    v[0, 0, 120, 5] = np.inf
+    split = cpuflash.tiling.split_for_threads
+    start = cpuflash.choose_tiles(40, dtype)
+    block_qs = sorted({split(start, 230, 2, threads).block_q for threads in (1, 2, 3, 5, 16, 64)})
+    assert len(block_qs) >= 3, block_qs
+    results = []
+    for block_q in block_qs:  # each thread count's choice, on whatever threads this machine has
+        monkeypatch.setattr(cpuflash.tiling, "split_for_threads",
+                            lambda tiles, *args, block_q=block_q: cpuflash.TileConfig(
+                                block_q, tiles.block_k))
+        results.append(cpuflash.attention(q, k, v, return_lse=True, **options))
+    for block_q, result in zip(block_qs[1:], results[1:]):
+        assert_same_bits(result, results[0], f"block_q={block_q} vs {block_qs[0]}")
+    assert np.isnan(results[0][0]).any() and not np.isnan(results[0][0]).all()
+
+
 def test_more_threads_than_cores_give_the_same_bits(restore_num_threads):
     """A fresh interpreter with a pool of 16 Numba threads (more than this machine may have),
-    run with 3, 5 and 16 of them: `block_q` shrinks down to 8 rows."""
+    run with 3, 5 and 16 of them: `block_q` shrinks down to 24 rows."""
     numba.set_num_threads(1)
     expected = {name: digest(call()) for name, call in DETERMINISM_CASES.items()}
     env = dict(os.environ, NUMBA_NUM_THREADS="16")

@@ -55,7 +55,8 @@ def test_tiles_shrink_to_feed_every_thread():
     tiles = cpuflash.TileConfig(256, 64)
     assert tiling.split_for_threads(tiles, 4096, 8, 2) == tiles
     small = tiling.split_for_threads(tiles, 256, 1, 4)
-    assert small.block_q == 32 and small.block_k == 64  # 8 items for 4 threads
+    assert small.block_q == 24 and small.block_k == 64  # 11 items for 4 threads
+    assert tiling.split_for_threads(cpuflash.TileConfig(384, 256), 1000, 1, 8).block_q == 48
 
 
 def test_sysfs_reader(tmp_path):
