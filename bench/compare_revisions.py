@@ -1,0 +1,116 @@
+"""Time git revisions of cpuflash side by side, in one process, interleaved, best of N.
+
+    python bench/compare_revisions.py HEAD~3 HEAD                  # causal and window cases
+    python bench/compare_revisions.py 4abaa0e WORKTREE --cases window,short --repeats 9
+
+Each revision's `cpuflash/` is copied (``git archive``; ``WORKTREE`` copies the working tree)
+into a temporary folder as a package of its own, so all of them can be imported at once, and
+each compiles its kernels on first use (about 10 s each; the cache lives in the copy). Every
+revision is checked against the first one's output before timing. Prints ns per visible
+query-key pair (summed over heads) and each case's time against the last revision's. On a
+shared machine this is the fair way to tell whether a change is faster: the revisions meet the
+same noise, round after round.
+"""
+
+import argparse
+import importlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cpuflash import benchmark as runner
+
+REPO = Path(__file__).resolve().parent.parent
+HEADS, HEAD_DIM = 8, 128
+
+
+def _slopes():
+    return (2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)).astype(np.float32)
+
+
+# name -> (Nq, Nk, options); the score-modifier cases of bench/test_bench_features.py, and a
+# dense short-key case (each row sees 256 keys, as a window of 256 does)
+CASES = {
+    "causal": (4096, 4096, dict(causal=True)),
+    "window": (16384, 16384, dict(window=(256, 0))),
+    "full": (4096, 4096, {}),
+    "alibi": (4096, 4096, dict(causal=True, alibi_slopes=_slopes())),
+    "softcap": (4096, 4096, dict(causal=True, softcap=30.0)),
+    "short": (16384, 256, {}),
+}
+
+
+def snapshot(revision, into):
+    """Import `revision`'s cpuflash as a package named after its position."""
+    name = f"cpuflash_rev{len(list(into.iterdir()))}"
+    target = into / name
+    if revision == "WORKTREE":
+        shutil.copytree(REPO / "cpuflash", target,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", revision, "cpuflash"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+        (into / "cpuflash").rename(target)
+    return importlib.import_module(name)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help="git revisions, or WORKTREE")
+    parser.add_argument("--cases", default="causal,window",
+                        help="comma-separated, of: " + ", ".join(CASES))
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    names = args.cases.split(",")
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+
+    with tempfile.TemporaryDirectory(prefix="cpuflash-revisions-") as folder:
+        sys.path.insert(0, folder)
+        packages = [snapshot(revision, Path(folder)) for revision in args.revisions]
+        rng = np.random.default_rng(0)
+        inputs = {}
+        for name in names:
+            n_q, n_k, options = CASES[name]
+            q = rng.standard_normal((1, HEADS, n_q, HEAD_DIM), dtype=np.float32)
+            k, v = (rng.standard_normal((1, HEADS, n_k, HEAD_DIM), dtype=np.float32)
+                    for _ in range(2))
+            pairs = HEADS * runner.visible_pairs(n_q, n_k, options.get("causal", False),
+                                                 options.get("window"))
+            first = packages[0].attention(q, k, v, **options)
+            for revision, package in zip(args.revisions[1:], packages[1:]):
+                error = float(np.abs(package.attention(q, k, v, **options) - first).max())
+                if not error <= 1e-5:
+                    raise SystemExit(f"{revision} differs from {args.revisions[0]} on {name} "
+                                     f"by {error:.3g}")
+            inputs[name] = (q, k, v, options, pairs)
+
+        best = {(name, i): float("inf") for name in names for i in range(len(packages))}
+        for _ in range(max(1, args.repeats)):
+            for name, (q, k, v, options, _) in inputs.items():
+                for i, package in enumerate(packages):
+                    call = (lambda package=package: package.attention(q, k, v, **options))
+                    runner.settle(call, cheap=False)
+                    start = time.perf_counter()
+                    call()
+                    best[(name, i)] = min(best[(name, i)], time.perf_counter() - start)
+
+    print(f"ns per visible pair, best of {args.repeats} interleaved rounds "
+          f"(B=1, H={HEADS}, D={HEAD_DIM}, float32)")
+    print(f"{'case':10}" + "".join(f"{revision:>16}" for revision in args.revisions)
+          + "   first/last time")
+    for name, (*_, pairs) in inputs.items():
+        seconds = [best[(name, i)] for i in range(len(packages))]
+        print(f"{name:10}" + "".join(f"{s / pairs * 1e9:16.4f}" for s in seconds)
+              + f"   {seconds[0] / seconds[-1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()
