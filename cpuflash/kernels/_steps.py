@@ -554,16 +554,20 @@ def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
 
 
 @jit
-def _rescale_add(acc, o, alpha, lo, hi):
-    """acc[o : o + 2 vectors] = alpha * acc[...] + (lo, hi).
+def rescale_add(acc, o, alpha, total):
+    """acc[o : o + lanes] = alpha * acc[...] + total: a block's sum joins the running sum.
 
     The block's sum starts from zero and joins the running sum once: a two-level sum, whose
     rounding error grows with block_k + number of blocks instead of with the sequence length.
     """
-    n = lanes(acc)
-    scale = vsplat(alpha, acc)
-    vstore(acc, o, vfma(scale, vload(acc, o), lo))
-    vstore(acc, o + n, vfma(scale, vload(acc, o + n), hi))
+    vstore(acc, o, vfma(vsplat(alpha, acc), vload(acc, o), total))
+
+
+@jit
+def _rescale_add(acc, o, alpha, lo, hi):
+    """`rescale_add` of two vectors: acc[o : o + 2 vectors]."""
+    rescale_add(acc, o, alpha, lo)
+    rescale_add(acc, o + lanes(acc), alpha, hi)
 
 
 @jit

@@ -23,7 +23,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit
-from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vsplat, vstore, vstore_hsums, vzeros
+from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
@@ -63,6 +63,9 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half)
+        if direct:  # the first block's key rows; each block then finds the next one's
+            _row_offsets(k_cache, block_table, b, hk, k_lo, min(block_k, k_hi - k_lo), page_size,
+                         k_offsets)
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
@@ -70,7 +73,6 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             # place where the rows are whole vectors, prefetching the block's value rows
             # meanwhile; else through a widened copy
             if direct:
-                _row_offsets(k_cache, block_table, b, hk, kb, cols, page_size, k_offsets)
                 _row_offsets(v_cache, block_table, b, hk, kb, cols, page_size, v_offsets)
                 _dot_rows(q_rows, k_cache, k_offsets, scores, rows, cols, v_cache, v_offsets,
                           cols, half)
@@ -95,7 +97,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right,
                                               *everything)
 
-            # -- online softmax and acc = alpha * acc + P V, prefetching the next key block
+            # -- online softmax and acc = alpha * acc + P V, prefetching the next key block (whose
+            # row offsets the next Q K^T then uses)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if direct:
                 following = min(block_k, k_hi - kb - block_k)
@@ -228,20 +231,16 @@ def _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half):
         a2, a3 = vfma(vbroadcast(scores, p2 + c), v, a2), vfma(vbroadcast(scores, p3 + c), v, a3)
     for i, total in enumerate((a0, a1, a2, a3)):
         if i < count:
-            o = (r + i) * acc.shape[1] + x
-            vstore(acc, o, vfma(vsplat(alpha[r + i], acc), vload(acc, o), total))
+            _steps.rescale_add(acc, (r + i) * acc.shape[1] + x, alpha[r + i], total)
 
 
 @jit
 def _join4(acc, r, x, alpha, a0, a1, a2, a3):
-    """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)."""
-    n = _steps.lanes(acc)
-    scale = vsplat(alpha[r], acc)
+    """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
+    (`_steps.rescale_add`)."""
     o = r * acc.shape[1] + x
-    vstore(acc, o, vfma(scale, vload(acc, o), a0))
-    vstore(acc, o + n, vfma(scale, vload(acc, o + n), a1))
-    vstore(acc, o + 2 * n, vfma(scale, vload(acc, o + 2 * n), a2))
-    vstore(acc, o + 3 * n, vfma(scale, vload(acc, o + 3 * n), a3))
+    for i, total in enumerate((a0, a1, a2, a3)):
+        _steps.rescale_add(acc, o + i * _steps.lanes(acc), alpha[r], total)
 
 
 @jit
