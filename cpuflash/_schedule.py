@@ -78,7 +78,7 @@ def balance(items, cost, n_threads):
     total = np.cumsum(cost[in_order])
     midpoint = total - cost[in_order] / 2
     runs = np.empty(len(items), dtype=np.int64)
-    runs[in_order] = np.minimum(n_chunks - 1, midpoint * n_chunks // max(1, total[-1:].sum()))
+    runs[in_order] = np.minimum(n_chunks - 1, midpoint * n_chunks // max(1, cost.sum()))
     # snake
     order = np.argsort(-cost, kind="stable")
     rank = np.arange(len(items))

@@ -165,13 +165,11 @@ def _cache_pair(cache):
     """(L1d, L2) in bytes from a `cache` dict, or from this machine when None."""
     caches = _cache_sizes() if cache is None else cache
     try:
-        return _positive_int("cache['l1d']", caches["l1d"]), _positive_int("cache['l2']",
-                                                                              caches["l2"])
-    except (KeyError, TypeError) as exc:
-        if isinstance(exc, TypeError) and "must be an int" in str(exc):
-            raise
+        l1, l2 = caches["l1d"], caches["l2"]
+    except (KeyError, TypeError):
         raise ValueError(f"`cache` must be a dict with keys 'l1d' and 'l2' (bytes), got "
                          f"{cache!r}") from None
+    return _positive_int("cache['l1d']", l1), _positive_int("cache['l2']", l2)
 
 
 def working_set_bytes(tiles, head_dim, dtype=np.float32, head_dim_v=None):
