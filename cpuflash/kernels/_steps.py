@@ -70,12 +70,6 @@ def tile_buffers(block_q, block_k, d, dv, like):
 
 
 @jit
-def padded_rows(cols, rows_buffer):
-    """The flat offsets of the first `cols` rows of a C-ordered 2-D buffer."""
-    return np.arange(cols) * rows_buffer.shape[1]
-
-
-@jit
 def pack_rows(src, b, h, start, rows, dst, half):
     """dst[r, :D] = src[b, h, start + r, :], widened to the compute dtype."""
     n = lanes(dst)

@@ -4,9 +4,13 @@ With one or a few query rows the work is memory-bound: every key and value row i
 and used for a handful of dot products. So the kernel packs nothing: it reads the rows of each
 key block in place from their pages (float16/bfloat16 bits widened as they are loaded, so half
 the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
-that one read, four query rows at a time in register-blocked micro-kernels. Rows that are not
-whole SIMD vectors (a head dim that is no multiple of the vector width, or strided rows) go
-through a widened copy of the block instead.
+that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when the
+loop loads little besides the cache (`bench/stream_shapes.py`), so for up to four rows and a head
+dim of eight vectors (128 float32 lanes with AVX-512) the micro-kernels take two query rows at a
+time with their query vectors held in registers, and read each key and value row front to
+back; otherwise four query rows at a time. Rows that are not whole SIMD vectors (a head dim
+that is no multiple of the vector width, or strided rows) go through a widened copy of the
+block instead.
 
 One work item is one (batch, kv head, split): split-KV (flash-decoding) cuts each sequence's
 keys into `n_splits` ranges so that a single sequence with a single KV head still keeps every
@@ -16,14 +20,15 @@ does not depend on the thread count.
 
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
-one page per batch entry.
+one page per batch entry. The micro-kernels walk a block as runs of consecutive rows, one per
+page it touches, so they compute each row's address instead of loading it from a table.
 """
 
 import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit
-from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
+from .._simd import vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
@@ -58,28 +63,35 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         row_sum = np.zeros(rows, dtype=part_lse.dtype)
         alpha = np.empty(rows, dtype=part_lse.dtype)
         everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
-        k_offsets = np.empty(block_k, dtype=np.int64)
-        v_offsets = np.empty(block_k, dtype=np.int64)
+        # a block's rows as runs of consecutive cache rows (split where a page ends): run i is
+        # block columns run_cols[i] .. run_cols[i + 1], its first key row at element k_starts[i]
+        # of k_cache (v_starts[i] of v_cache), the next rows one row stride further each
+        max_runs = block_k // page_size + 2
+        run_cols = np.zeros(max_runs + 1, dtype=np.int64)
+        k_starts = np.zeros(max_runs, dtype=np.int64)
+        v_starts = np.zeros(max_runs, dtype=np.int64)
+        k_step = k_cache.strides[2] // k_cache.itemsize
+        v_step = v_cache.strides[2] // v_cache.itemsize
+        if not direct:  # a widened copy is one run of rows in its buffer
+            k_step, v_step = k_rows.shape[1], v_tile.shape[1]
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half)
-        if direct:  # the first block's key rows; each block then finds the next one's
-            _row_offsets(k_cache, block_table, b, hk, k_lo, min(block_k, k_hi - k_lo), page_size,
-                         k_offsets)
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
-            # -- S = Q K^T, one dot product along D per (row, key), each key row read once: in
-            # place where the rows are whole vectors, prefetching the block's value rows
-            # meanwhile; else through a widened copy
+            # -- S = Q K^T, one dot product along D per (row, key), each key row read once from
+            # the cache where the rows are whole vectors, else from a widened copy
             if direct:
-                _row_offsets(v_cache, block_table, b, hk, kb, cols, page_size, v_offsets)
-                _dot_rows(q_rows, k_cache, k_offsets, scores, rows, cols, v_cache, v_offsets,
-                          cols, half)
+                n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
+                                     k_starts)
+                _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols, v_starts)
+                _dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
+                          half)
             else:
+                n_runs = _one_run(cols, run_cols, k_starts, v_starts)
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
-                _dot_rows(q_rows, k_rows, _steps.padded_rows(cols, k_rows), scores, rows, cols,
-                          k_rows, k_offsets, 0, half)
+                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows, half)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -97,19 +109,15 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right,
                                               *everything)
 
-            # -- online softmax and acc = alpha * acc + P V, prefetching the next key block (whose
-            # row offsets the next Q K^T then uses)
+            # -- online softmax and acc = alpha * acc + P V
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if direct:
-                following = min(block_k, k_hi - kb - block_k)
-                _row_offsets(k_cache, block_table, b, hk, kb + block_k, following, page_size,
-                             k_offsets)
-                _pv_rows(scores, v_cache, v_offsets, dv, acc, alpha, rows, cols, k_cache,
-                         k_offsets, following, half)
+                _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
+                         rows, half)
             else:
                 _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half)
-                _pv_rows(scores, v_tile, _steps.padded_rows(cols, v_tile), v_tile.shape[1], acc,
-                         alpha, rows, cols, v_tile, v_offsets, 0, half)
+                _pv_rows(scores, v_tile, run_cols, v_starts, n_runs, v_step, v_tile.shape[1],
+                         acc, alpha, rows, half)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -123,7 +131,7 @@ def _buffers(rows, block_k, copied, d, dv, like):
     """q_rows, scores and acc of one work item, and k_rows and v_tile for widened copies of
     `copied` key and value rows (zero when the rows are read in place). D and Dv are padded to
     whole vectors (to two for scores and acc, as `_steps.tile_buffers` pads them), and the rows
-    of scores to a multiple of four (`_dot_rows` stores four rows at a time)."""
+    of scores to a multiple of four (`_dot_rows` stores two or four rows at a time)."""
     dtype = like.dtype
     n = _steps.lanes(like)
     dp, dvp = _steps.round_up(d, n), _steps.round_up(dv, 2 * n)
@@ -134,22 +142,28 @@ def _buffers(rows, block_k, copied, d, dv, like):
 
 
 @jit
-def _row_offsets(cache, block_table, b, h, start, cols, page_size, offsets):
-    """offsets[c] = flat element offset of the cache row of position start + c (batch b,
-    head h), walking the pages without a division per row. Nothing is read for no rows (the
-    page of `start` may then lie past the table)."""
-    if cols <= 0:
-        return
-    row_stride = cache.strides[2] // cache.itemsize
-    index, row = start // page_size, start % page_size
-    offset = row_offset(cache, block_table[b, index], h, row)
-    for c in range(cols):
-        offsets[c] = offset
-        row += 1
-        offset += row_stride
-        if row == page_size and c + 1 < cols:
-            index, row = index + 1, 0
-            offset = row_offset(cache, block_table[b, index], h, 0)
+def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, starts):
+    """Cut the cache rows of positions start .. start + cols (batch b, head h) into runs of
+    consecutive rows, one per page they lie in: fills `run_cols` (the block column where each
+    run starts, then `cols`) and `starts` (the flat element offset of each run's first row);
+    returns the number of runs."""
+    n_runs, c = 0, 0
+    while c < cols:
+        index, row = (start + c) // page_size, (start + c) % page_size
+        run_cols[n_runs] = c
+        starts[n_runs] = row_offset(cache, block_table[b, index], h, row)
+        c += min(page_size - row, cols - c)
+        n_runs += 1
+    run_cols[n_runs] = cols
+    return n_runs
+
+
+@jit
+def _one_run(cols, run_cols, k_starts, v_starts):
+    """The runs of a widened copy: all `cols` rows, from the start of the buffers."""
+    run_cols[0], run_cols[1] = 0, cols
+    k_starts[0] = v_starts[0] = 0
+    return 1
 
 
 @jit
@@ -162,88 +176,6 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half):
 
 
 @jit
-def _pv_rows(scores, values, offsets, width, acc, alpha, rows, cols, later, later_offsets,
-             later_cols, half):
-    """acc = alpha * acc + P V over the value rows at flat `offsets` of `values` (their first
-    `width` elements, a whole number of vectors; the rest of `acc` is left as it is).
-
-    Four query rows at a time share every load of a value vector; each block's sum starts from
-    zero in registers and joins `acc` once, as in `_steps.pv_tile`. Meanwhile the first
-    `later_cols` rows at `later_offsets` of `later` are prefetched (see `_dot_rows`).
-    """
-    n = _steps.lanes(acc)
-    for r in range(0, rows, 4):
-        count = min(4, rows - r)
-        x = 0
-        while x + 4 * n <= width:
-            _pv_micro4x4(scores, r, count, values, offsets, x, acc, alpha, cols, later,
-                         later_offsets, later_cols if r == 0 else 0, half)
-            x += 4 * n
-        for x in range(x, width, n):
-            _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half)
-
-
-@jit
-def _pv_micro4x4(scores, r, count, values, offsets, x, acc, alpha, cols, later, later_offsets,
-                 later_cols, half):
-    """Rows r .. r + count (count <= 4) x four vectors from column x: 16 accumulators held
-    in registers over the whole block. Missing rows repeat the last one and are not stored."""
-    n, sw = _steps.lanes(acc), scores.shape[1]
-    p0, p1, p2, p3 = _row_starts(r, count, sw)
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
-    for c in range(cols):
-        o = offsets[c] + x
-        v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
-        v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
-        if c < later_cols:  # the same columns of a later row, one cache line per vector
-            o = later_offsets[c] + x
-            prefetch(later, o)
-            prefetch(later, o + n)
-            prefetch(later, o + 2 * n)
-            prefetch(later, o + 3 * n)
-        p = vbroadcast(scores, p0 + c)
-        a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), vfma(p, v3, a03)
-        p = vbroadcast(scores, p1 + c)
-        a10, a11, a12, a13 = vfma(p, v0, a10), vfma(p, v1, a11), vfma(p, v2, a12), vfma(p, v3, a13)
-        p = vbroadcast(scores, p2 + c)
-        a20, a21, a22, a23 = vfma(p, v0, a20), vfma(p, v1, a21), vfma(p, v2, a22), vfma(p, v3, a23)
-        p = vbroadcast(scores, p3 + c)
-        a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), vfma(p, v3, a33)
-    _join4(acc, r, x, alpha, a00, a01, a02, a03)
-    if count > 1:
-        _join4(acc, r + 1, x, alpha, a10, a11, a12, a13)
-    if count > 2:
-        _join4(acc, r + 2, x, alpha, a20, a21, a22, a23)
-    if count > 3:
-        _join4(acc, r + 3, x, alpha, a30, a31, a32, a33)
-
-
-@jit
-def _pv_micro4x1(scores, r, count, values, offsets, x, acc, alpha, cols, half):
-    """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
-    sw = scores.shape[1]
-    p0, p1, p2, p3 = _row_starts(r, count, sw)
-    a0 = a1 = a2 = a3 = vzeros(acc)
-    for c in range(cols):
-        v = load_widened(values, offsets[c] + x, half)
-        a0, a1 = vfma(vbroadcast(scores, p0 + c), v, a0), vfma(vbroadcast(scores, p1 + c), v, a1)
-        a2, a3 = vfma(vbroadcast(scores, p2 + c), v, a2), vfma(vbroadcast(scores, p3 + c), v, a3)
-    for i, total in enumerate((a0, a1, a2, a3)):
-        if i < count:
-            _steps.rescale_add(acc, (r + i) * acc.shape[1] + x, alpha[r + i], total)
-
-
-@jit
-def _join4(acc, r, x, alpha, a0, a1, a2, a3):
-    """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
-    (`_steps.rescale_add`)."""
-    o = r * acc.shape[1] + x
-    for i, total in enumerate((a0, a1, a2, a3)):
-        _steps.rescale_add(acc, o + i * _steps.lanes(acc), alpha[r], total)
-
-
-@jit
 def _row_starts(r, count, stride):
     """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
     last = r + count - 1
@@ -252,39 +184,100 @@ def _row_starts(r, count, stride):
 
 
 @jit
-def _dot_rows(q_rows, keys, offsets, scores, rows, cols, later, later_offsets, later_cols,
-              half):
-    """scores[r, c] = q_rows[r] . keys[offsets[c] : offsets[c] + D] (flat element offsets; q_rows
-    are zero-padded to whole vectors and so must the key rows be, or D a multiple of them).
+def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half):
+    """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as runs
+    (`_block_runs`; flat element offsets into `keys`, rows `step` elements apart). q_rows are
+    zero-padded to whole vectors and so must the key rows be, or D a multiple of them.
 
-    Four rows x four keys at a time: 16 independent FMA chains, each key vector loaded once for
-    four rows and each query vector once for four keys, and one shared reduction tree for each
-    16 sums (`vstore_hsums`; `scores` has rows up to a multiple of four, those past `rows`
-    taking the sums of the repeated last row).
-
-    Meanwhile the same columns of the first `later_cols` rows at `later_offsets` of `later` are
-    prefetched, one cache line per vector: the kernel streams two arrays in turns (a block of
-    key rows, then its value rows), and the hardware prefetcher, which follows one stream at a
-    time, would start each turn cold.
+    Each dot product is one chain of FMAs along D, summed by `vstore_hsums` (bit for bit
+    `vhsum`), so a score's bits do not depend on how the keys are grouped. `scores` has rows up
+    to a multiple of four; those past `rows` take the sums of the repeated last row.
     """
-    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    n, dp = _steps.lanes(q_rows), q_rows.shape[1]
+    if dp == 8 * n and rows <= 4:
+        for r in range(0, rows, 2):
+            _dot_pair(q_rows, r, min(2, rows - r), keys, run_cols, starts, n_runs, step, scores,
+                      half)
+        return
     for r in range(0, rows, 4):
-        count = min(4, rows - r)
-        q0, q1, q2, q3 = _row_starts(r, count, dp)
-        prefetched = later_cols if r == 0 else 0
-        c = 0
-        while c + 4 <= cols:
-            k0, k1, k2, k3 = offsets[c], offsets[c + 1], offsets[c + 2], offsets[c + 3]
+        _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
+                  half)
+
+
+@jit
+def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
+    """`_dot_rows` for rows r, r + 1 of a head dim of eight vectors: both rows' query vectors
+    are held in registers and every key row is read front to back, four keys at a time, so
+    the only loads are those of the keys (streaming from memory is faster with nothing else
+    loaded in between, see bench/stream_shapes.py)."""
+    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    o, p = r * dp, (r + count - 1) * dp
+    q0, q1, q2, q3 = (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
+                      vload(q_rows, o + 3 * n))
+    q4, q5, q6, q7 = (vload(q_rows, o + 4 * n), vload(q_rows, o + 5 * n),
+                      vload(q_rows, o + 6 * n), vload(q_rows, o + 7 * n))
+    u0, u1, u2, u3 = (vload(q_rows, p), vload(q_rows, p + n), vload(q_rows, p + 2 * n),
+                      vload(q_rows, p + 3 * n))
+    u4, u5, u6, u7 = (vload(q_rows, p + 4 * n), vload(q_rows, p + 5 * n),
+                      vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
+    qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
+    for i in range(n_runs):
+        c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        while c + 4 <= end:
+            a0, b0 = _dot2(keys, k, half, qs)
+            a1, b1 = _dot2(keys, k + step, half, qs)
+            a2, b2 = _dot2(keys, k + 2 * step, half, qs)
+            a3, b3 = _dot2(keys, k + 3 * step, half, qs)
+            vstore_hsums(scores, r * sw + c, sw, (a0, a1, a2, a3, b0, b1, b2, b3))
+            c += 4
+            k += 4 * step
+        for c in range(c, end):  # the run's last keys, one at a time
+            a, b_ = _dot2(keys, k, half, qs)
+            scores[r, c] = vhsum(a)
+            scores[r + 1, c] = vhsum(b_)
+            k += step
+
+
+@jit
+def _dot2(keys, k, half, qs):
+    """The two dot products of the key row at flat `k` with the query rows whose eight
+    vectors each are `qs` (the first row's, then the second's): two FMA chains along D."""
+    n = _steps.lanes(qs[0])
+    y = load_widened(keys, k, half)
+    a, b = vfma(qs[0], y, vzeros(y)), vfma(qs[8], y, vzeros(y))
+    y = load_widened(keys, k + n, half)
+    a, b = vfma(qs[1], y, a), vfma(qs[9], y, b)
+    y = load_widened(keys, k + 2 * n, half)
+    a, b = vfma(qs[2], y, a), vfma(qs[10], y, b)
+    y = load_widened(keys, k + 3 * n, half)
+    a, b = vfma(qs[3], y, a), vfma(qs[11], y, b)
+    y = load_widened(keys, k + 4 * n, half)
+    a, b = vfma(qs[4], y, a), vfma(qs[12], y, b)
+    y = load_widened(keys, k + 5 * n, half)
+    a, b = vfma(qs[5], y, a), vfma(qs[13], y, b)
+    y = load_widened(keys, k + 6 * n, half)
+    a, b = vfma(qs[6], y, a), vfma(qs[14], y, b)
+    y = load_widened(keys, k + 7 * n, half)
+    a, b = vfma(qs[7], y, a), vfma(qs[15], y, b)
+    return a, b
+
+
+@jit
+def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
+    """`_dot_rows` for rows r .. r + count (count <= 4), any head dim: four rows x four keys at
+    a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
+    vector once for four keys, and one shared reduction tree for the 16 sums."""
+    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    q0, q1, q2, q3 = _row_starts(r, count, dp)
+    for i in range(n_runs):
+        c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        while c + 4 <= end:
+            k0, k1, k2, k3 = k, k + step, k + 2 * step, k + 3 * step
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
             s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
             for x in range(0, dp, n):
                 y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
                 y2, y3 = load_widened(keys, k2 + x, half), load_widened(keys, k3 + x, half)
-                if c + 4 <= prefetched:  # the same columns of four later rows
-                    prefetch(later, later_offsets[c] + x)
-                    prefetch(later, later_offsets[c + 1] + x)
-                    prefetch(later, later_offsets[c + 2] + x)
-                    prefetch(later, later_offsets[c + 3] + x)
                 q = vload(q_rows, q0 + x)
                 s00, s01, s02, s03 = vfma(q, y0, s00), vfma(q, y1, s01), vfma(q, y2, s02), \
                     vfma(q, y3, s03)
@@ -300,13 +293,139 @@ def _dot_rows(q_rows, keys, offsets, scores, rows, cols, later, later_offsets, l
             vstore_hsums(scores, r * sw + c, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
                                                   s20, s21, s22, s23, s30, s31, s32, s33))
             c += 4
-        for c in range(c, cols):  # the last keys, one at a time
-            for i in range(count):
+            k += 4 * step
+        for c in range(c, end):  # the run's last keys, one at a time
+            for j in range(count):
                 total = vzeros(q_rows)
                 for x in range(0, dp, n):
-                    total = vfma(vload(q_rows, (r + i) * dp + x),
-                                 load_widened(keys, offsets[c] + x, half), total)
-                scores[r + i, c] = vhsum(total)
+                    total = vfma(vload(q_rows, (r + j) * dp + x),
+                                 load_widened(keys, k + x, half), total)
+                scores[r + j, c] = vhsum(total)
+            k += step
+
+
+@jit
+def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half):
+    """acc = alpha * acc + P V over the value rows given as runs (see `_dot_rows`), their
+    first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
+
+    Each query row's block sum starts from zero in registers, adds the value rows in order and
+    joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
+    the grouping below. A head dim of eight vectors takes two query rows x whole value rows at
+    a time (every value row read front to back, nothing else loaded but P); others take four
+    rows x four vectors, then four rows x one.
+    """
+    n = _steps.lanes(acc)
+    if width == 8 * n and rows <= 4:
+        for r in range(0, rows, 2):
+            _pv_pair(scores, r, min(2, rows - r), values, run_cols, starts, n_runs, step, acc,
+                     alpha, half)
+        return
+    for r in range(0, rows, 4):
+        count = min(4, rows - r)
+        x = 0
+        while x + 4 * n <= width:
+            _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
+                         alpha, half)
+            x += 4 * n
+        for x in range(x, width, n):
+            _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
+                         alpha, half)
+
+
+@jit
+def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alpha, half):
+    """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
+    the whole block. A missing second row repeats the first and is not stored."""
+    n, sw = _steps.lanes(acc), scores.shape[1]
+    p0, p1 = r * sw, (r + count - 1) * sw
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzeros(acc)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = a0
+    for i in range(n_runs):
+        o = starts[i]
+        for c in range(run_cols[i], run_cols[i + 1]):
+            v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
+            v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
+            v4, v5 = load_widened(values, o + 4 * n, half), load_widened(values, o + 5 * n, half)
+            v6, v7 = load_widened(values, o + 6 * n, half), load_widened(values, o + 7 * n, half)
+            p = vbroadcast(scores, p0 + c)
+            a0, a1, a2, a3 = vfma(p, v0, a0), vfma(p, v1, a1), vfma(p, v2, a2), vfma(p, v3, a3)
+            a4, a5, a6, a7 = vfma(p, v4, a4), vfma(p, v5, a5), vfma(p, v6, a6), vfma(p, v7, a7)
+            p = vbroadcast(scores, p1 + c)
+            b0, b1, b2, b3 = vfma(p, v0, b0), vfma(p, v1, b1), vfma(p, v2, b2), vfma(p, v3, b3)
+            b4, b5, b6, b7 = vfma(p, v4, b4), vfma(p, v5, b5), vfma(p, v6, b6), vfma(p, v7, b7)
+            o += step
+    _join4(acc, r, 0, alpha, a0, a1, a2, a3)
+    _join4(acc, r, 4 * n, alpha, a4, a5, a6, a7)
+    if count > 1:
+        _join4(acc, r + 1, 0, alpha, b0, b1, b2, b3)
+        _join4(acc, r + 1, 4 * n, alpha, b4, b5, b6, b7)
+
+
+@jit
+def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
+                 half):
+    """Rows r .. r + count (count <= 4) x four vectors from column x: 16 accumulators held
+    in registers over the whole block. Missing rows repeat the last one and are not stored."""
+    n, sw = _steps.lanes(acc), scores.shape[1]
+    p0, p1, p2, p3 = _row_starts(r, count, sw)
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
+    for i in range(n_runs):
+        o = starts[i] + x
+        for c in range(run_cols[i], run_cols[i + 1]):
+            v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
+            v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
+            p = vbroadcast(scores, p0 + c)
+            a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
+                vfma(p, v3, a03)
+            p = vbroadcast(scores, p1 + c)
+            a10, a11, a12, a13 = vfma(p, v0, a10), vfma(p, v1, a11), vfma(p, v2, a12), \
+                vfma(p, v3, a13)
+            p = vbroadcast(scores, p2 + c)
+            a20, a21, a22, a23 = vfma(p, v0, a20), vfma(p, v1, a21), vfma(p, v2, a22), \
+                vfma(p, v3, a23)
+            p = vbroadcast(scores, p3 + c)
+            a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), \
+                vfma(p, v3, a33)
+            o += step
+    _join4(acc, r, x, alpha, a00, a01, a02, a03)
+    if count > 1:
+        _join4(acc, r + 1, x, alpha, a10, a11, a12, a13)
+    if count > 2:
+        _join4(acc, r + 2, x, alpha, a20, a21, a22, a23)
+    if count > 3:
+        _join4(acc, r + 3, x, alpha, a30, a31, a32, a33)
+
+
+@jit
+def _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
+                 half):
+    """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
+    sw = scores.shape[1]
+    p0, p1, p2, p3 = _row_starts(r, count, sw)
+    a0 = a1 = a2 = a3 = vzeros(acc)
+    for i in range(n_runs):
+        o = starts[i] + x
+        for c in range(run_cols[i], run_cols[i + 1]):
+            v = load_widened(values, o, half)
+            a0 = vfma(vbroadcast(scores, p0 + c), v, a0)
+            a1 = vfma(vbroadcast(scores, p1 + c), v, a1)
+            a2 = vfma(vbroadcast(scores, p2 + c), v, a2)
+            a3 = vfma(vbroadcast(scores, p3 + c), v, a3)
+            o += step
+    for j, total in enumerate((a0, a1, a2, a3)):
+        if j < count:
+            _steps.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
+
+
+@jit
+def _join4(acc, r, x, alpha, a0, a1, a2, a3):
+    """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
+    (`_steps.rescale_add`)."""
+    o = r * acc.shape[1] + x
+    for i, total in enumerate((a0, a1, a2, a3)):
+        _steps.rescale_add(acc, o + i * _steps.lanes(acc), alpha[r], total)
 
 
 def _signature(key):
