@@ -2,6 +2,7 @@
 
     python bench/compare_revisions.py HEAD~3 HEAD                  # causal and window cases
     python bench/compare_revisions.py 4abaa0e WORKTREE --cases window,short --repeats 9
+    python bench/compare_revisions.py HEAD WORKTREE --cases decode,decode-mqa --repeats 15
 
 Each revision's `cpuflash/` is copied (``git archive``; ``WORKTREE`` copies the working tree)
 into a temporary folder as a package of its own, so all of them can be imported at once, and
@@ -33,16 +34,25 @@ def _slopes():
     return (2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)).astype(np.float32)
 
 
-# name -> (Nq, Nk, options); the score-modifier cases of bench/test_bench_features.py, and a
-# dense short-key case (each row sees 256 keys, as a window of 256 does)
+# name -> (Nq, Nk, options, Hq, Hk); the score-modifier cases of bench/test_bench_features.py,
+# a dense short-key case (each row sees 256 keys, as a window of 256 does), and the decoding
+# cases of bench/test_bench_decode.py (through `attention_with_kvcache`)
 CASES = {
-    "causal": (4096, 4096, dict(causal=True)),
-    "window": (16384, 16384, dict(window=(256, 0))),
-    "full": (4096, 4096, {}),
-    "alibi": (4096, 4096, dict(causal=True, alibi_slopes=_slopes())),
-    "softcap": (4096, 4096, dict(causal=True, softcap=30.0)),
-    "short": (16384, 256, {}),
+    "causal": (4096, 4096, dict(causal=True), HEADS, HEADS),
+    "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS),
+    "full": (4096, 4096, {}, HEADS, HEADS),
+    "alibi": (4096, 4096, dict(causal=True, alibi_slopes=_slopes()), HEADS, HEADS),
+    "softcap": (4096, 4096, dict(causal=True, softcap=30.0), HEADS, HEADS),
+    "short": (16384, 256, {}, HEADS, HEADS),
+    "decode": (1, 16384, {}, 32, 8),
+    "decode-mqa": (1, 16384, {}, 8, 1),
 }
+
+
+def _call(package, name, q, k, v, options):
+    if name.startswith("decode"):
+        return package.attention_with_kvcache(q, k, v, **options)
+    return package.attention(q, k, v, **options)
 
 
 def snapshot(revision, into):
@@ -78,15 +88,15 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         inputs = {}
         for name in names:
-            n_q, n_k, options = CASES[name]
-            q = rng.standard_normal((1, HEADS, n_q, HEAD_DIM), dtype=np.float32)
-            k, v = (rng.standard_normal((1, HEADS, n_k, HEAD_DIM), dtype=np.float32)
+            n_q, n_k, options, heads, kv_heads = CASES[name]
+            q = rng.standard_normal((1, heads, n_q, HEAD_DIM), dtype=np.float32)
+            k, v = (rng.standard_normal((1, kv_heads, n_k, HEAD_DIM), dtype=np.float32)
                     for _ in range(2))
-            pairs = HEADS * runner.visible_pairs(n_q, n_k, options.get("causal", False),
-                                                 options.get("window"))
-            first = packages[0].attention(q, k, v, **options)
+            causal = options.get("causal", False) or name.startswith("decode")
+            pairs = heads * runner.visible_pairs(n_q, n_k, causal, options.get("window"))
+            first = _call(packages[0], name, q, k, v, options)
             for revision, package in zip(args.revisions[1:], packages[1:]):
-                error = float(np.abs(package.attention(q, k, v, **options) - first).max())
+                error = float(np.abs(_call(package, name, q, k, v, options) - first).max())
                 if not error <= 1e-5:
                     raise SystemExit(f"{revision} differs from {args.revisions[0]} on {name} "
                                      f"by {error:.3g}")
@@ -96,14 +106,14 @@ def main(argv=None):
         for _ in range(max(1, args.repeats)):
             for name, (q, k, v, options, _) in inputs.items():
                 for i, package in enumerate(packages):
-                    call = (lambda package=package: package.attention(q, k, v, **options))
-                    runner.settle(call, cheap=False)
+                    call = (lambda package=package: _call(package, name, q, k, v, options))
+                    runner.settle(call, cheap=name.startswith("decode"))
                     start = time.perf_counter()
                     call()
                     best[(name, i)] = min(best[(name, i)], time.perf_counter() - start)
 
     print(f"ns per visible pair, best of {args.repeats} interleaved rounds "
-          f"(B=1, H={HEADS}, D={HEAD_DIM}, float32)")
+          f"(B=1, D={HEAD_DIM}, float32; H={HEADS} but for decoding)")
     print(f"{'case':10}" + "".join(f"{revision:>16}" for revision in args.revisions)
           + "   first/last time")
     for name, (*_, pairs) in inputs.items():
