@@ -302,7 +302,8 @@ MAX_SPLITS = 64
 # (read once from memory, then again from L2 by the next pair of query rows), at most
 # DECODE_MAX_BLOCK. Measured on the test machine (1 MiB L2) over 16384 keys at D=128, float32,
 # 2 threads, in two interleaved runs each (bench/compare_revisions.py): 512-key blocks against
-# 256, 0.99-1.04x the speed for GQA 32/8 and 1.04-1.22x for MQA 8/1.
+# 256, 0.99-1.04x the speed for GQA 32/8 and 1.04-1.22x for MQA 8/1, a small gain against
+# the host's noise (the same code against itself: 0.89-1.03x in such a run).
 DECODE_MIN_BLOCK, DECODE_MAX_BLOCK = 64, 512
 
 
