@@ -34,18 +34,22 @@ def _slopes():
     return (2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)).astype(np.float32)
 
 
-# name -> (Nq, Nk, options, Hq, Hk); the score-modifier cases of bench/test_bench_features.py,
-# a dense short-key case (each row sees 256 keys, as a window of 256 does), and the decoding
-# cases of bench/test_bench_decode.py (through `attention_with_kvcache`)
+# name -> (Nq, Nk, options, Hq, Hk, D, dtype); the score-modifier cases of
+# bench/test_bench_features.py, a dense short-key case (each row sees 256 keys, as a window of
+# 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
+# with a float16 cache and with D=64 too
 CASES = {
-    "causal": (4096, 4096, dict(causal=True), HEADS, HEADS),
-    "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS),
-    "full": (4096, 4096, {}, HEADS, HEADS),
-    "alibi": (4096, 4096, dict(causal=True, alibi_slopes=_slopes()), HEADS, HEADS),
-    "softcap": (4096, 4096, dict(causal=True, softcap=30.0), HEADS, HEADS),
-    "short": (16384, 256, {}, HEADS, HEADS),
-    "decode": (1, 16384, {}, 32, 8),
-    "decode-mqa": (1, 16384, {}, 8, 1),
+    "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
+    "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
+    "full": (4096, 4096, {}, HEADS, HEADS, HEAD_DIM, np.float32),
+    "alibi": (4096, 4096, dict(causal=True, alibi_slopes=_slopes()), HEADS, HEADS, HEAD_DIM,
+              np.float32),
+    "softcap": (4096, 4096, dict(causal=True, softcap=30.0), HEADS, HEADS, HEAD_DIM, np.float32),
+    "short": (16384, 256, {}, HEADS, HEADS, HEAD_DIM, np.float32),
+    "decode": (1, 16384, {}, 32, 8, HEAD_DIM, np.float32),
+    "decode-mqa": (1, 16384, {}, 8, 1, HEAD_DIM, np.float32),
+    "decode-f16": (1, 16384, {}, 32, 8, HEAD_DIM, np.float16),
+    "decode-d64": (1, 16384, {}, 32, 8, 64, np.float32),
 }
 
 
@@ -88,16 +92,17 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         inputs = {}
         for name in names:
-            n_q, n_k, options, heads, kv_heads = CASES[name]
-            q = rng.standard_normal((1, heads, n_q, HEAD_DIM), dtype=np.float32)
-            k, v = (rng.standard_normal((1, kv_heads, n_k, HEAD_DIM), dtype=np.float32)
+            n_q, n_k, options, heads, kv_heads, d, dtype = CASES[name]
+            q = rng.standard_normal((1, heads, n_q, d), dtype=np.float32).astype(dtype)
+            k, v = (rng.standard_normal((1, kv_heads, n_k, d), dtype=np.float32).astype(dtype)
                     for _ in range(2))
             causal = options.get("causal", False) or name.startswith("decode")
             pairs = heads * runner.visible_pairs(n_q, n_k, causal, options.get("window"))
             first = _call(packages[0], name, q, k, v, options)
             for revision, package in zip(args.revisions[1:], packages[1:]):
-                error = float(np.abs(_call(package, name, q, k, v, options) - first).max())
-                if not error <= 1e-5:
+                error = float(np.abs(_call(package, name, q, k, v, options)
+                                     - first).astype(np.float32).max())
+                if not error <= (1e-5 if dtype == np.float32 else 2e-3):
                     raise SystemExit(f"{revision} differs from {args.revisions[0]} on {name} "
                                      f"by {error:.3g}")
             inputs[name] = (q, k, v, options, pairs)
@@ -112,8 +117,8 @@ def main(argv=None):
                     call()
                     best[(name, i)] = min(best[(name, i)], time.perf_counter() - start)
 
-    print(f"ns per visible pair, best of {args.repeats} interleaved rounds "
-          f"(B=1, D={HEAD_DIM}, float32; H={HEADS} but for decoding)")
+    print(f"ns per visible pair, best of {args.repeats} interleaved rounds (B=1; H={HEADS}, "
+          f"D={HEAD_DIM}, float32 unless the case says otherwise)")
     print(f"{'case':10}" + "".join(f"{revision:>16}" for revision in args.revisions)
           + "   first/last time")
     for name, (*_, pairs) in inputs.items():

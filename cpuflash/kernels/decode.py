@@ -6,11 +6,11 @@ key block in place from their pages (float16/bfloat16 bits widened as they are l
 the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
 that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when the
 loop loads little besides the cache (`bench/stream_shapes.py`), so for up to four rows and a head
-dim of eight vectors (128 float32 lanes with AVX-512) the micro-kernels take two query rows at a
-time with their query vectors held in registers, and read each key and value row front to
-back; otherwise four query rows at a time. Rows that are not whole SIMD vectors (a head dim
-that is no multiple of the vector width, or strided rows) go through a widened copy of the
-block instead.
+dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, the micro-kernels take
+two query rows at a time with their query vectors held in registers, and read each key and
+value row front to back; otherwise four query rows at a time, prefetching the other stream.
+Rows that are not whole SIMD vectors (a head dim that is no multiple of the vector width, or
+strided rows) go through a widened copy of the block instead.
 
 One work item is one (batch, kv head, split): split-KV (flash-decoding) cuts each sequence's
 keys into `n_splits` ranges so that a single sequence with a single KV head still keeps every
@@ -28,7 +28,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit
-from .._simd import vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
+from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
@@ -70,6 +70,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         run_cols = np.zeros(max_runs + 1, dtype=np.int64)
         k_starts = np.zeros(max_runs, dtype=np.int64)
         v_starts = np.zeros(max_runs, dtype=np.int64)
+        next_cols = np.zeros(max_runs + 1, dtype=np.int64)  # the next block's key runs
+        next_starts = np.zeros(max_runs, dtype=np.int64)
         k_step = k_cache.strides[2] // k_cache.itemsize
         v_step = v_cache.strides[2] // v_cache.itemsize
         if not direct:  # a widened copy is one run of rows in its buffer
@@ -81,17 +83,19 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
             # -- S = Q K^T, one dot product along D per (row, key), each key row read once from
-            # the cache where the rows are whole vectors, else from a widened copy
+            # the cache where the rows are whole vectors (the four-row micro-kernels prefetching
+            # the block's value rows meanwhile), else from a widened copy
             if direct:
                 n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
                                      k_starts)
                 _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols, v_starts)
                 _dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
-                          half)
+                          half, v_cache, v_starts, v_step, True)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
-                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows, half)
+                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows, half,
+                          v_cache, v_starts, v_step, False)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -109,15 +113,19 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                         _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right,
                                               *everything)
 
-            # -- online softmax and acc = alpha * acc + P V
+            # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
+            # prefetching the next block's key rows meanwhile)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if direct:
+                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
+                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
+                                     next_starts)
                 _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
-                         rows, half)
+                         rows, half, k_cache, next_cols, next_starts, n_next, k_step)
             else:
                 _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half)
                 _pv_rows(scores, v_tile, run_cols, v_starts, n_runs, v_step, v_tile.shape[1],
-                         acc, alpha, rows, half)
+                         acc, alpha, rows, half, k_cache, next_cols, next_starts, 0, k_step)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -146,7 +154,7 @@ def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, star
     """Cut the cache rows of positions start .. start + cols (batch b, head h) into runs of
     consecutive rows, one per page they lie in: fills `run_cols` (the block column where each
     run starts, then `cols`) and `starts` (the flat element offset of each run's first row);
-    returns the number of runs."""
+    returns the number of runs (none, and nothing read, for ``cols <= 0``)."""
     n_runs, c = 0, 0
     while c < cols:
         index, row = (start + c) // page_size, (start + c) % page_size
@@ -184,7 +192,8 @@ def _row_starts(r, count, stride):
 
 
 @jit
-def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half):
+def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, later,
+              later_starts, later_step, ahead):
     """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as runs
     (`_block_runs`; flat element offsets into `keys`, rows `step` elements apart). q_rows are
     zero-padded to whole vectors and so must the key rows be, or D a multiple of them.
@@ -192,16 +201,21 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half):
     Each dot product is one chain of FMAs along D, summed by `vstore_hsums` (bit for bit
     `vhsum`), so a score's bits do not depend on how the keys are grouped. `scores` has rows up
     to a multiple of four; those past `rows` take the sums of the repeated last row.
+
+    With `ahead`, the four-row micro-kernels also prefetch the rows of the same block columns
+    in `later` (runs `later_starts`, `later_step` apart: the block's value rows), one cache line
+    per vector: the kernel reads two arrays in turns, and the hardware prefetcher would start
+    each turn cold. The two-row ones, which load nothing but the keys, stream faster without.
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
-    if dp == 8 * n and rows <= 4:
+    if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: each pass would widen again)
         for r in range(0, rows, 2):
             _dot_pair(q_rows, r, min(2, rows - r), keys, run_cols, starts, n_runs, step, scores,
                       half)
         return
     for r in range(0, rows, 4):
         _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
-                  half)
+                  half, later, later_starts, later_step, ahead and r == 0)
 
 
 @jit
@@ -263,14 +277,15 @@ def _dot2(keys, k, half, qs):
 
 
 @jit
-def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
+def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half, later,
+              later_starts, later_step, ahead):
     """`_dot_rows` for rows r .. r + count (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
     vector once for four keys, and one shared reduction tree for the 16 sums."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     q0, q1, q2, q3 = _row_starts(r, count, dp)
     for i in range(n_runs):
-        c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        c, end, k, lk = run_cols[i], run_cols[i + 1], starts[i], later_starts[i]
         while c + 4 <= end:
             k0, k1, k2, k3 = k, k + step, k + 2 * step, k + 3 * step
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
@@ -278,6 +293,11 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             for x in range(0, dp, n):
                 y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
                 y2, y3 = load_widened(keys, k2 + x, half), load_widened(keys, k3 + x, half)
+                if ahead:  # the same columns of four later rows
+                    prefetch(later, lk + x)
+                    prefetch(later, lk + later_step + x)
+                    prefetch(later, lk + 2 * later_step + x)
+                    prefetch(later, lk + 3 * later_step + x)
                 q = vload(q_rows, q0 + x)
                 s00, s01, s02, s03 = vfma(q, y0, s00), vfma(q, y1, s01), vfma(q, y2, s02), \
                     vfma(q, y3, s03)
@@ -294,6 +314,7 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
                                                   s20, s21, s22, s23, s30, s31, s32, s33))
             c += 4
             k += 4 * step
+            lk += 4 * later_step
         for c in range(c, end):  # the run's last keys, one at a time
             for j in range(count):
                 total = vzeros(q_rows)
@@ -305,18 +326,21 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
 
 
 @jit
-def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half):
+def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half,
+             later, later_cols, later_starts, n_later, later_step):
     """acc = alpha * acc + P V over the value rows given as runs (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
 
     Each query row's block sum starts from zero in registers, adds the value rows in order and
     joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
-    the grouping below. A head dim of eight vectors takes two query rows x whole value rows at
-    a time (every value row read front to back, nothing else loaded but P); others take four
-    rows x four vectors, then four rows x one.
+    the grouping below. A head dim of eight vectors in a float cache takes two query rows x
+    whole value rows at a time (every value row read front to back, nothing else loaded but
+    P); others take four rows x four vectors, then four rows x one, and prefetch meanwhile the
+    same columns of the rows in `later` given as runs (the next block's key rows; see
+    `_dot_rows`).
     """
     n = _steps.lanes(acc)
-    if width == 8 * n and rows <= 4:
+    if width == 8 * n and rows <= 4 and half == 0:  # as in `_dot_rows`
         for r in range(0, rows, 2):
             _pv_pair(scores, r, min(2, rows - r), values, run_cols, starts, n_runs, step, acc,
                      alpha, half)
@@ -326,7 +350,8 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
         x = 0
         while x + 4 * n <= width:
             _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
-                         alpha, half)
+                         alpha, half, later, later_cols, later_starts, n_later if r == 0 else 0,
+                         later_step)
             x += 4 * n
         for x in range(x, width, n):
             _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
@@ -364,18 +389,29 @@ def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alph
 
 @jit
 def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
-                 half):
+                 half, later, later_cols, later_starts, n_later, later_step):
     """Rows r .. r + count (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
     p0, p1, p2, p3 = _row_starts(r, count, sw)
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
+    j, later_end = 0, later_cols[n_later]  # the later run holding column c, and its last column
+    lo = later_starts[0] + x
     for i in range(n_runs):
         o = starts[i] + x
         for c in range(run_cols[i], run_cols[i + 1]):
             v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
             v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
+            if c < later_end:  # the same columns of a later row, one cache line per vector
+                if c == later_cols[j + 1]:
+                    j += 1
+                    lo = later_starts[j] + x
+                prefetch(later, lo)
+                prefetch(later, lo + n)
+                prefetch(later, lo + 2 * n)
+                prefetch(later, lo + 3 * n)
+                lo += later_step
             p = vbroadcast(scores, p0 + c)
             a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
                 vfma(p, v3, a03)
