@@ -143,12 +143,31 @@ def test_bshd_cache_layout(rng):
 
 @pytest.mark.parametrize("hq,hk", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8 and 1 rows
 def test_rows_read_in_place_with_wide_values(rng, hq, hk):
-    """Head dims of whole vectors (the 4-row x 4-key and 4-row x 4-vector micro-kernels), with
-    groups that are no multiple of 4 rows, paged and not."""
+    """Head dims of whole vectors, D and Dv different (with AVX-512, the four-row Q K^T for
+    D=64 and the two-row P V for Dv=128 up to four rows), with groups that are no multiple of 4
+    rows."""
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, hq=hq, hk=hk, d=64, d_v=128, n_max=700)
     out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
                                                cache_seqlens=seqlens, return_lse=True)
     check_against_cache(out, lse, q, k_cache, v_cache, seqlens, 1, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("hq,hk", [(8, 2), (6, 2), (4, 4), (16, 2)])  # groups of 4, 3, 1, 8
+def test_head_dim_of_eight_vectors_paged_and_not(rng, dtype, hq, hk):
+    """D = Dv = 128 (eight float32 vectors with AVX-512: the two-row micro-kernels up to four
+    rows, the four-row ones past that), in pages of 7 rows, so a key block is cut into runs
+    of every length mod 4; the paged result is the unpaged one bit for bit."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, hq=hq, hk=hk, d=128, d_v=128,
+                                                    n_max=700, dtype=dtype, n_new=0)
+    table = rng.permutation(3 * 100).reshape(3, 100).astype(np.int32)
+    k_pages, v_pages = to_pages(k_cache, 7, table), to_pages(v_cache, 7, table)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               num_splits=2, return_lse=True)
+    check_against_cache(out, lse, q, k_cache, v_cache, seqlens, 0, causal=True)
+    paged = cpuflash.attention_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
+                                            block_table=table, num_splits=2)
+    np.testing.assert_array_equal(paged, out)
 
 
 @pytest.mark.parametrize("which", ["float16", "bfloat16"])
