@@ -10,16 +10,18 @@ shapes that differ in how many loads they issue per vector of the cache:
 * ``1 load per cache vector``: each row read front to back, its FMAs taking their other operand
   from registers;
 * ``5 loads per cache vector``: the same, the other operands loaded from L1 (four query rows);
-* ``decode's shapes, 2 loads per``: Q K^T four keys x four query rows at a time (the loads hop
+* ``four-row shapes, 2 loads per``: Q K^T four keys x four query rows at a time (the loads hop
   between four rows, a query vector loaded for every four key vectors) and P V four query rows x
   four vectors (two passes over the block, half a row each, a broadcast of P for every four value
-  vectors).
+  vectors): the decode kernel's shapes until 2026-11-30, and still its shapes for other head
+  dims and for half-precision caches.
 
 It times them next to `cpuflash.attention_with_kvcache` on the same cache and the sum over 1 GiB
 that `bench/test_bench_decode.py` uses as the yardstick, interleaved, best of N. On the 2-core
-EPYC (Zen 5) the first shape streamed at 84-88% of the yardstick, the other two and the kernel at
-52-67%, on one thread and on two: with the FMAs the same, what a loop loads besides the cache
-costs the stream more than the arithmetic does.
+EPYC (Zen 5) the first shape streamed at 82-88% of the yardstick, the other two at 52-67%, on one
+thread and on two: with the FMAs the same, what a loop loads besides the cache costs the stream
+more than the arithmetic does. The kernel streamed at 58-61% with the four-row shapes and at
+70-72% with its two-row ones.
 
     python bench/stream_shapes.py --threads 1      # one core: the cleanest comparison
     python bench/stream_shapes.py                  # every thread
@@ -87,7 +89,7 @@ def _five_loads(data, start, weights, total):
 
 @numba.njit(inline="always")
 def _qk_shape(data, start, weights, total):
-    """The decode kernel's Q K^T: four keys x four query rows, 16 accumulators."""
+    """The four-row Q K^T: four keys x four query rows, 16 accumulators."""
     for c in range(0, BLOCK, 4):
         o = start + c * HEAD_DIM
         s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(data)
@@ -116,7 +118,7 @@ def _qk_shape(data, start, weights, total):
 
 @numba.njit(inline="always")
 def _pv_shape(data, start, weights, total):
-    """The decode kernel's P V: four query rows x four vectors, a pass per half row."""
+    """The four-row P V: four query rows x four vectors, a pass per half row."""
     for x in range(0, HEAD_DIM, 4 * N):
         a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(data)
         a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
@@ -179,12 +181,12 @@ def main(argv=None):
     except ImportError:
         total = data.sum
     one_load, five_loads = _streamer(_one_load, _one_load), _streamer(_five_loads, _five_loads)
-    decode_shapes = _streamer(_qk_shape, _pv_shape)
+    four_rows = _streamer(_qk_shape, _pv_shape)
     calls = {
         "read 1 GiB (the yardstick)": total,
         "1 load per cache vector": lambda: one_load(k_cache, v_cache, weights),
         "5 loads per cache vector": lambda: five_loads(k_cache, v_cache, weights),
-        "decode's shapes, 2 loads per": lambda: decode_shapes(k_cache, v_cache, weights),
+        "four-row shapes, 2 loads per": lambda: four_rows(k_cache, v_cache, weights),
         "attention_with_kvcache": lambda: cpuflash.attention_with_kvcache(q, k_cache, v_cache),
     }
     for call in calls.values():
