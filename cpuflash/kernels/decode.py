@@ -220,10 +220,11 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
 
 @jit
 def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
-    """`_dot_rows` for rows r, r + 1 of a head dim of eight vectors: both rows' query vectors
-    are held in registers and every key row is read front to back, four keys at a time, so
-    the only loads are those of the keys (streaming from memory is faster with nothing else
-    loaded in between, see bench/stream_shapes.py)."""
+    """`_dot_rows` for rows r, r + count - 1 (count <= 2) of a head dim of eight vectors: both
+    rows' query vectors are held in registers and every key row is read front to back, four
+    keys at a time, so the only loads are those of the keys (streaming from memory is faster
+    with nothing else loaded in between, see bench/stream_shapes.py). A missing second row
+    repeats the first, its sums landing in the padding rows of `scores`."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     o, p = r * dp, (r + count - 1) * dp
     q0, q1, q2, q3 = (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
