@@ -298,13 +298,6 @@ DECODE_MAX_ROWS = 16
 # A split shorter than this spends more on merging and per-item set-up than it gains.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 64
-# Key blocks of the decode kernel, in keys: at most half of L2 for a block's key and value rows
-# (read once from memory, then again from L2 by the next pair of query rows), at most
-# DECODE_MAX_BLOCK. Measured on the test machine (1 MiB L2) over 16384 keys at D=128, float32,
-# 2 threads, in two interleaved runs each (bench/compare_revisions.py): 512-key blocks against
-# 256, 0.99-1.04x the speed for GQA 32/8 and 1.04-1.22x for MQA 8/1, a small gain against
-# the host's noise (the same code against itself: 0.89-1.03x in such a run).
-DECODE_MIN_BLOCK, DECODE_MAX_BLOCK = 64, 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,15 +318,11 @@ def decode_plan(n_keys, n_items, n_threads, head_dim, dtype=np.float32, num_spli
     busy twice over, into ranges of at least `MIN_SPLIT_KEYS` keys, aiming at four items per
     thread (measured: an MQA decode over 16384 keys on 2 threads took 1.70 ms in one split,
     0.90 in 2, 0.82 in 4, 0.79 in 8); a given `num_splits` is
-    used as is (capped at one split per key block). `block_k` is the largest power of two of
-    keys whose key and value rows fill at most half of L2, within `DECODE_MIN_BLOCK` ..
-    `DECODE_MAX_BLOCK` (see there).
+    used as is (capped at one split per key block). `block_k` comes from the same L1 rule as
+    `choose_tiles`: a block of key and value rows stays in L1 while its group of query rows
+    uses it.
     """
-    _, l2 = _cache_pair(cache)
-    row_bytes = 2 * max(1, int(head_dim)) * (8 if np.dtype(dtype) == np.float64 else 4)
-    block_k = DECODE_MIN_BLOCK
-    while 2 * block_k <= DECODE_MAX_BLOCK and 2 * block_k * row_bytes <= l2 // 2:
-        block_k *= 2
+    block_k = choose_tiles(head_dim, dtype, cache=cache).block_k
     n_keys = max(1, int(n_keys))
     if num_splits:
         n_splits = num_splits
