@@ -200,12 +200,14 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
 
     Each dot product is one chain of FMAs along D, summed by `vstore_hsums` (bit for bit
     `vhsum`), so a score's bits do not depend on how the keys are grouped. `scores` has rows up
-    to a multiple of four; those past `rows` take the sums of the repeated last row.
+    to a multiple of four; the micro-kernels may write sums of repeated rows into those past
+    `rows`, which nothing reads.
 
-    With `ahead`, the four-row micro-kernels also prefetch the rows of the same block columns
-    in `later` (runs `later_starts`, `later_step` apart: the block's value rows), one cache line
-    per vector: the kernel reads two arrays in turns, and the hardware prefetcher would start
-    each turn cold. The two-row ones, which load nothing but the keys, stream faster without.
+    With `ahead`, the four-row micro-kernel of the first four rows also prefetches the rows of
+    the same block columns in `later` (runs `later_starts`, `later_step` apart: the block's
+    value rows), one cache line per vector: the kernel reads two arrays in turns, and the
+    hardware prefetcher would start each turn cold. The two-row ones, which load nothing but
+    the keys, stream faster without.
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
     if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: each pass would widen again)
@@ -280,7 +282,7 @@ def _dot2(keys, k, half, qs):
 @jit
 def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half, later,
               later_starts, later_step, ahead):
-    """`_dot_rows` for rows r .. r + count (count <= 4), any head dim: four rows x four keys at
+    """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
     vector once for four keys, and one shared reduction tree for the 16 sums."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
@@ -336,9 +338,9 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
     joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
     the grouping below. A head dim of eight vectors in a float cache takes two query rows x
     whole value rows at a time (every value row read front to back, nothing else loaded but
-    P); others take four rows x four vectors, then four rows x one, and prefetch meanwhile the
-    same columns of the rows in `later` given as runs (the next block's key rows; see
-    `_dot_rows`).
+    P); others take four rows x four vectors, then four rows x one, the four-vector passes of
+    the first four rows prefetching meanwhile the same columns of the rows in `later` given as
+    runs (the next block's key rows; see `_dot_rows`).
     """
     n = _steps.lanes(acc)
     if width == 8 * n and rows <= 4 and half == 0:  # as in `_dot_rows`
@@ -391,7 +393,7 @@ def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alph
 @jit
 def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
                  half, later, later_cols, later_starts, n_later, later_step):
-    """Rows r .. r + count (count <= 4) x four vectors from column x: 16 accumulators held
+    """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
     p0, p1, p2, p3 = _row_starts(r, count, sw)
