@@ -20,8 +20,9 @@ It times them next to `cpuflash.attention_with_kvcache` on the same cache and th
 that `bench/test_bench_decode.py` uses as the yardstick, interleaved, best of N. On the 2-core
 EPYC (Zen 5) the first shape streamed at 82-88% of the yardstick, the other two at 52-67%, on one
 thread and on two: with the FMAs the same, what a loop loads besides the cache costs the stream
-more than the arithmetic does. The kernel streamed at 58-61% with the four-row shapes and at
-70-72% with its two-row ones.
+more than the arithmetic does. On one thread the kernel streamed at 61% with the four-row
+shapes and at 63% with its two-row ones (72% with 512-key blocks, which it does not use: see
+`tiling.decode_plan`).
 
     python bench/stream_shapes.py --threads 1      # one core: the cleanest comparison
     python bench/stream_shapes.py                  # every thread

@@ -318,9 +318,10 @@ def decode_plan(n_keys, n_items, n_threads, head_dim, dtype=np.float32, num_spli
     busy twice over, into ranges of at least `MIN_SPLIT_KEYS` keys, aiming at four items per
     thread (measured: an MQA decode over 16384 keys on 2 threads took 1.70 ms in one split,
     0.90 in 2, 0.82 in 4, 0.79 in 8); a given `num_splits` is
-    used as is (capped at one split per key block). `block_k` comes from the same L1 rule as
-    `choose_tiles`: a block of key and value rows stays in L1 while its group of query rows
-    uses it.
+    used as is (capped at one split per key block). `block_k` is `choose_tiles`' key block
+    (256 keys at D=128 in float32). 512-key blocks streamed a little faster, but broke the
+    accuracy rule when every value row is the same: each block's P V sum is one chain of
+    `block_k` terms (`tests/test_decoding.py` has the case).
     """
     block_k = choose_tiles(head_dim, dtype, cache=cache).block_k
     n_keys = max(1, int(n_keys))
