@@ -44,6 +44,15 @@ N = LANES_F32  # float32 lanes of the vectors below; the loops step by it
 
 
 @numba.njit(inline="always")
+def _fold(total, accumulators):
+    """`total` plus every vector of `accumulators`: a shape's result, so that none of its
+    loads is dead code."""
+    for vector in accumulators:
+        total = vadd(total, vector)
+    return total
+
+
+@numba.njit(inline="always")
 def _one_load(data, start, weights, total):
     """BLOCK rows from flat `start`, each front to back, eight vectors at a time: four FMAs per
     loaded vector with weights held in registers (a different one for each FMA of a vector)."""
@@ -71,7 +80,7 @@ def _one_load(data, start, weights, total):
             a0, a1, a2, a3 = vfma(y, w3, a0), vfma(y, w4, a1), vfma(y, w5, a2), vfma(y, w6, a3)
             y = vload(data, o + 7 * N)
             a4, a5, a6, a7 = vfma(y, w7, a4), vfma(y, w0, a5), vfma(y, w1, a6), vfma(y, w2, a7)
-    return vadd(total, vadd(vadd(vadd(a0, a1), vadd(a2, a3)), vadd(vadd(a4, a5), vadd(a6, a7))))
+    return _fold(total, (a0, a1, a2, a3, a4, a5, a6, a7))
 
 
 @numba.njit(inline="always")
@@ -85,7 +94,7 @@ def _five_loads(data, start, weights, total):
             a0, a1 = vfma(y, vload(weights, x), a0), vfma(y, vload(weights, HEAD_DIM + x), a1)
             a2 = vfma(y, vload(weights, 2 * HEAD_DIM + x), a2)
             a3 = vfma(y, vload(weights, 3 * HEAD_DIM + x), a3)
-    return vadd(total, vadd(vadd(a0, a1), vadd(a2, a3)))
+    return _fold(total, (a0, a1, a2, a3))
 
 
 @numba.njit(inline="always")
@@ -110,10 +119,8 @@ def _qk_shape(data, start, weights, total):
             q = vload(weights, 3 * HEAD_DIM + x)
             s30, s31, s32, s33 = vfma(q, y0, s30), vfma(q, y1, s31), vfma(q, y2, s32), \
                 vfma(q, y3, s33)
-        total = vadd(total, vadd(vadd(vadd(s00, s01), vadd(s02, s03)),
-                                 vadd(vadd(s10, s11), vadd(s12, s13))))
-        total = vadd(total, vadd(vadd(vadd(s20, s21), vadd(s22, s23)),
-                                 vadd(vadd(s30, s31), vadd(s32, s33))))
+        total = _fold(total, (s00, s01, s02, s03, s10, s11, s12, s13,
+                              s20, s21, s22, s23, s30, s31, s32, s33))
     return total
 
 
@@ -139,10 +146,8 @@ def _pv_shape(data, start, weights, total):
             p = vbroadcast(weights, 3 * BLOCK + c)
             a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), \
                 vfma(p, v3, a33)
-        total = vadd(total, vadd(vadd(vadd(a00, a01), vadd(a02, a03)),
-                                 vadd(vadd(a10, a11), vadd(a12, a13))))
-        total = vadd(total, vadd(vadd(vadd(a20, a21), vadd(a22, a23)),
-                                 vadd(vadd(a30, a31), vadd(a32, a33))))
+        total = _fold(total, (a00, a01, a02, a03, a10, a11, a12, a13,
+                              a20, a21, a22, a23, a30, a31, a32, a33))
     return total
 
 
