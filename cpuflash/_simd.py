@@ -456,8 +456,9 @@ def vhsum(typingctx, vec):
 
 @intrinsic
 def vstore_hsums(typingctx, arr, i, stride, vecs):
-    """Store the lane sums of a tuple of ``4 * R`` vectors as R rows of four:
-    ``arr[i + r * stride + c] = vhsum(vecs[4 * r + c])``, each bit for bit `vhsum`'s.
+    """Store the lane sums of vectors as rows: ``arr[i + r * stride + c] = vhsum(v)`` for the
+    vector v in row r, column c, each bit for bit `vhsum`'s. `vecs` is a tuple of ``4 * R``
+    vectors (R rows of four, row by row) or a tuple of R tuples of W vectors (R rows of W).
 
     The pairwise trees of all the sums share their shuffles: each level folds two vectors into
     one, adding the halves of blocks of lanes as `vhsum` adds the halves of a vector, so 16 sums
@@ -468,16 +469,26 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
     _array_vec(arr, "arr", writable=True)
     _check_index(i)
     _check_index(stride, "stride")
-    if not (isinstance(vecs, types.UniTuple) and isinstance(vecs.dtype, Vec)
-            and vecs.dtype.dtype == arr.dtype and len(vecs) % 4 == 0):
-        raise errors.TypingError("`vecs` must be a tuple of 4 * R vectors of %s, got %s"
-                                 % (arr.dtype, vecs))
-    vec = vecs.dtype
+    nested = isinstance(vecs, types.UniTuple) and isinstance(vecs.dtype, types.UniTuple)
+    inner = vecs.dtype if nested else vecs
+    if not (isinstance(inner, types.UniTuple) and isinstance(inner.dtype, Vec)
+            and inner.dtype.dtype == arr.dtype
+            and (len(inner) > 0 if nested else len(vecs) % 4 == 0)):
+        raise errors.TypingError("`vecs` must be a tuple of 4 * R vectors of %s or a tuple of "
+                                 "R tuples of W vectors, got %s" % (arr.dtype, vecs))
+    vec = inner.dtype
+    width = len(inner) if nested else 4
+    count = len(vecs) * width if nested else len(vecs)
 
     def codegen(context, builder, sig, args):
         n, i64 = vec.lanes, ir.IntType(64)
+        if nested:
+            flat = [builder.extract_value(builder.extract_value(args[3], r), c)
+                    for r in range(len(vecs)) for c in range(width)]
+        else:
+            flat = [builder.extract_value(args[3], k) for k in range(count)]
         # each vector with, per lane, which of the input vectors its partial sum belongs to
-        level = [(builder.extract_value(args[3], k), [k] * n) for k in range(len(vecs))]
+        level = [(x, [k] * n) for k, x in enumerate(flat)]
         half = n // 2
         while half >= 1:
             if len(level) % 2:  # an odd one out folds with itself (its lanes then appear twice)
@@ -497,17 +508,17 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
                 where[owner] = (v, lane)
         base = _element_ptr(context, builder, sig, args)
         stride_value = context.cast(builder, args[2], sig.args[2], types.int64)
-        quad = ir.VectorType(_LL_FLOAT[vec.dtype], 4)
-        for r in range(len(vecs) // 4):
-            spots = [where[4 * r + c] for c in range(4)]
+        row_type = ir.VectorType(_LL_FLOAT[vec.dtype], width)
+        for r in range(count // width):
+            spots = [where[width * r + c] for c in range(width)]
             ptr = builder.gep(base, [builder.mul(stride_value, ir.Constant(i64, r))],
                               inbounds=True)
             sources = sorted({v for v, _ in spots})
-            if len(sources) <= 2:  # one shuffle gathers the row's four sums
+            if width > 1 and len(sources) <= 2:  # one shuffle gathers the row's sums
                 x, y = level[sources[0]][0], level[sources[-1]][0]
                 row = builder.shuffle_vector(x, y, _lane_mask(
                     [lane + n * sources.index(v) for v, lane in spots]))
-                builder.store(row, builder.bitcast(ptr, quad.as_pointer()),
+                builder.store(row, builder.bitcast(ptr, row_type.as_pointer()),
                               align=vec.dtype.bitwidth // 8)
                 continue
             for c, (v, lane) in enumerate(spots):

@@ -353,6 +353,28 @@ def test_row_sums_share_a_tree_and_equal_vhsum_bit_for_bit(rng, dtype):
         assert np.isnan(out[g, rows[g]:]).all()
 
 
+@numba.njit(cache=True)
+def _narrow_row_sums(x, out, ref):
+    """x (8, lanes) -> out (4, 4) through vstore_hsums with rows given as tuples: four rows of
+    two, then two rows of one in the last two columns; ref through vhsum."""
+    a, b, c, d = vload(x[0], 0), vload(x[1], 0), vload(x[2], 0), vload(x[3], 0)
+    e, f, g, h = vload(x[4], 0), vload(x[5], 0), vload(x[6], 0), vload(x[7], 0)
+    vstore_hsums(out, 0, 4, ((a, b), (c, d), (e, f), (g, h)))
+    vstore_hsums(out, 2, 4, ((a,), (h,)))
+    for j in range(8):
+        ref[j // 2, j % 2] = vhsum(vload(x[j], 0))
+    ref[0, 2], ref[1, 2] = vhsum(a), vhsum(h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_sums_of_any_width_equal_vhsum_bit_for_bit(rng, dtype):
+    x = (rng.standard_normal((8, lanes_for(dtype))) * 1e3).astype(dtype)
+    out, ref = np.full((4, 4), np.nan, dtype), np.full((4, 4), np.nan, dtype)
+    _narrow_row_sums(x, out, ref)
+    np.testing.assert_array_equal(out, ref)  # the columns left alone stay NaN in both
+    assert np.isnan(out[2:, 2:]).all() and np.isnan(out[:, 3]).all()
+
+
 def test_row_sums_need_rows_of_four():
     @numba.njit
     def three(x):

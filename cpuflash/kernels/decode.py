@@ -4,11 +4,12 @@ With one or a few query rows the work is memory-bound: every key and value row i
 and used for a handful of dot products. So the kernel packs nothing: it reads the rows of each
 key block in place from their pages (float16/bfloat16 bits widened as they are loaded, so half
 the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
-that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when the
-loop loads little besides the cache (`bench/stream_shapes.py`), so for up to four rows and a head
-dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, the micro-kernels take
-two query rows at a time with their query vectors held in registers, and read each key and
-value row front to back; otherwise four query rows at a time, prefetching the other stream.
+that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when each
+row is read once, front to back (`bench/stream_shapes.py`), so for up to four rows and a head
+dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, Q K^T takes all the rows
+in one pass over the keys, prefetching the key rows ahead, and P V two rows at a time (four
+rows' accumulators would need all 32 vector registers); otherwise four query rows at a time,
+prefetching the other stream.
 Rows that are not whole SIMD vectors (a head dim that is no multiple of the vector width, or
 strided rows) go through a widened copy of the block instead.
 
@@ -31,6 +32,10 @@ from .._jit import Kernel, array, jit
 from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
+
+# how many key rows ahead `_dot_quad` prefetches (16 rows of 128 float32: 8 KiB; 8 and 32
+# measured alike)
+AHEAD = 16
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -206,14 +211,15 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     With `ahead`, the four-row micro-kernel of the first four rows also prefetches the rows of
     the same block columns in `later` (runs `later_starts`, `later_step` apart: the block's
     value rows), one cache line per vector: the kernel reads two arrays in turns, and the
-    hardware prefetcher would start each turn cold. The two-row ones, which load nothing but
-    the keys, stream faster without.
+    hardware prefetcher would start each turn cold. The one-pass kernel for eight vectors
+    prefetches its own key rows ahead instead (`_dot_quad`).
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
     if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: each pass would widen again)
-        for r in range(0, rows, 2):
-            _dot_pair(q_rows, r, min(2, rows - r), keys, run_cols, starts, n_runs, step, scores,
-                      half)
+        if rows > 2:
+            _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
+        else:
+            _dot_pair(q_rows, 0, rows, keys, run_cols, starts, n_runs, step, scores, half)
         return
     for r in range(0, rows, 4):
         _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
@@ -253,6 +259,101 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             scores[r, c] = vhsum(a)
             scores[r + 1, c] = vhsum(b_)
             k += step
+
+
+@jit
+def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half):
+    """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
+    in one pass over the keys: a second pass over a block, even one served from L2, costs the
+    stream far more than its arithmetic (bench/stream_shapes.py). Rows 0 and 1 keep their query
+    vectors in registers and rows 2 and 3 load theirs from L1, two keys at a time: 8 FMA chains
+    in 27 registers. Each step prefetches the key rows `AHEAD` columns on, following the runs
+    across pages: this loop issues more instructions per cache line than the hardware
+    prefetcher keeps ahead of (it streamed at about 65% of the read bandwidth without, 95-100%
+    with, on one core). A missing
+    fourth row repeats the third, its sums landing in the padding row of `scores`."""
+    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    q0, q1, q2, q3 = vload(q_rows, 0), vload(q_rows, n), vload(q_rows, 2 * n), vload(q_rows, 3 * n)
+    q4, q5, q6, q7 = (vload(q_rows, 4 * n), vload(q_rows, 5 * n), vload(q_rows, 6 * n),
+                      vload(q_rows, 7 * n))
+    u0, u1, u2, u3 = (vload(q_rows, dp), vload(q_rows, dp + n), vload(q_rows, dp + 2 * n),
+                      vload(q_rows, dp + 3 * n))
+    u4, u5, u6, u7 = (vload(q_rows, dp + 4 * n), vload(q_rows, dp + 5 * n),
+                      vload(q_rows, dp + 6 * n), vload(q_rows, dp + 7 * n))
+    qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
+    o2, o3 = 2 * dp, (count - 1) * dp
+    ahead, (j, o) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
+    for i in range(n_runs):
+        c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        while c + 2 <= end:
+            for _ in range(2):  # the key rows two columns further on, across runs
+                if j < n_runs:
+                    for x in range(0, dp, n):
+                        prefetch(keys, o + x)
+                j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
+                ahead += 1
+            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half, qs, q_rows, o2, o3)
+            vstore_hsums(scores, c, sw, ((a0, a1), (b0, b1), (e0, e1), (f0, f1)))
+            c += 2
+            k += 2 * step
+        if c < end:  # the run's last key
+            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k, half, qs, q_rows, o2, o3)
+            scores[0, c], scores[1, c] = vhsum(a0), vhsum(b0)
+            scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
+            j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
+            ahead += 1
+
+
+@jit
+def _run_position(run_cols, starts, n_runs, step, c):
+    """(run, flat offset of its row) of block column c of a block given as runs; (n_runs, 0)
+    past the block's end."""
+    j = 0
+    while j < n_runs and run_cols[j + 1] <= c:
+        j += 1
+    return j, (starts[j] + (c - run_cols[j]) * step if j < n_runs else 0)
+
+
+@jit
+def _next_position(run_cols, starts, n_runs, step, c, j, o):
+    """`_run_position` of column c + 1 from that of column c, (j, o)."""
+    if j >= n_runs:
+        return j, o
+    if c + 1 < run_cols[j + 1]:
+        return j, o + step
+    return j + 1, (starts[j + 1] if j + 1 < n_runs else 0)
+
+
+@jit
+def _dot4x2(keys, k0, k1, half, qs, q_rows, o2, o3):
+    """The eight dot products of the key rows at flat k0 and k1 with four query rows: those
+    whose vectors are `qs` (as in `_dot2`), then those at flat o2 and o3 of `q_rows`. Returns
+    (row 0 x k0, row 0 x k1, row 1 x k0, ..., row 3 x k1), each one FMA chain along D, bit for
+    bit `_dot2`'s."""
+    n = _steps.lanes(qs[0])
+    z = vzeros(qs[0])
+    acc = (z, z, z, z, z, z, z, z)
+    acc = _quad_step(keys, k0, k1, 0, half, qs[0], qs[8], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, n, half, qs[1], qs[9], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 2 * n, half, qs[2], qs[10], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 3 * n, half, qs[3], qs[11], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 4 * n, half, qs[4], qs[12], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 5 * n, half, qs[5], qs[13], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 6 * n, half, qs[6], qs[14], q_rows, o2, o3, acc)
+    return _quad_step(keys, k0, k1, 7 * n, half, qs[7], qs[15], q_rows, o2, o3, acc)
+
+
+@jit
+def _quad_step(keys, k0, k1, x, half, qa, qb, q_rows, o2, o3, acc):
+    """Elements x .. x + lanes of `_dot4x2`'s eight chains."""
+    y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
+    a0, a1, b0, b1, e0, e1, f0, f1 = acc
+    q = vload(q_rows, o2 + x)
+    e0, e1 = vfma(q, y0, e0), vfma(q, y1, e1)
+    q = vload(q_rows, o3 + x)
+    f0, f1 = vfma(q, y0, f0), vfma(q, y1, f1)
+    return (vfma(qa, y0, a0), vfma(qa, y1, a1), vfma(qb, y0, b0), vfma(qb, y1, b1), e0, e1, f0,
+            f1)
 
 
 @jit
