@@ -37,7 +37,7 @@ def _slopes():
 # name -> (Nq, Nk, options, Hq, Hk, D, dtype); the score-modifier cases of
 # bench/test_bench_features.py, a dense short-key case (each row sees 256 keys, as a window of
 # 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
-# with a float16 cache and with D=64 too
+# with a float16 cache, with D=64, and with groups of one and two query heads per KV head too
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -50,6 +50,8 @@ CASES = {
     "decode-mqa": (1, 16384, {}, 8, 1, HEAD_DIM, np.float32),
     "decode-f16": (1, 16384, {}, 32, 8, HEAD_DIM, np.float16),
     "decode-d64": (1, 16384, {}, 32, 8, 64, np.float32),
+    "decode-mha": (1, 16384, {}, 8, 8, HEAD_DIM, np.float32),
+    "decode-g2": (1, 16384, {}, 16, 8, HEAD_DIM, np.float32),
 }
 
 

@@ -230,9 +230,8 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
 def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
     """`_dot_rows` for rows r, r + count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
-    keys at a time, so the only loads are those of the keys (streaming from memory is faster
-    with nothing else loaded in between, see bench/stream_shapes.py). A missing second row
-    repeats the first, its sums landing in the padding rows of `scores`."""
+    keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
+    missing second row repeats the first, its sums landing in the padding rows of `scores`."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     o, p = r * dp, (r + count - 1) * dp
     q0, q1, q2, q3 = (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
@@ -244,9 +243,16 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
     u4, u5, u6, u7 = (vload(q_rows, p + 4 * n), vload(q_rows, p + 5 * n),
                       vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
     qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
+    ahead, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
         while c + 4 <= end:
+            for _ in range(4):
+                if j < n_runs:
+                    for x in range(0, dp, n):
+                        prefetch(keys, f + x)
+                j, f = _next_position(run_cols, starts, n_runs, step, ahead, j, f)
+                ahead += 1
             a0, b0 = _dot2(keys, k, half, qs)
             a1, b1 = _dot2(keys, k + step, half, qs)
             a2, b2 = _dot2(keys, k + 2 * step, half, qs)
@@ -259,6 +265,8 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             scores[r, c] = vhsum(a)
             scores[r + 1, c] = vhsum(b_)
             k += step
+            j, f = _next_position(run_cols, starts, n_runs, step, ahead, j, f)
+            ahead += 1
 
 
 @jit
