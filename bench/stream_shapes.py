@@ -1,28 +1,29 @@
 """How fast one core streams the decode case's KV cache, by the shape of the loop that reads it.
 
-The decoding target (85% of the read bandwidth) is missed, and this script shows where the cap
-lies. It reads the float32 cache of `bench/test_bench_decode.py`'s GQA case (Hk=8, Nk=16384,
-D=128: 128 MiB of keys and values) in the decode kernel's order (per KV head, a block of 256 key
-rows, then the same block's value rows, no software prefetch) with the same arithmetic per row
-(64 FMAs on the 16 vectors of a key and a value row, as four query rows need), in three loop
-shapes that differ in how many loads they issue per vector of the cache:
+The decoding target (85% of the read bandwidth) is met only at times, and this script shows
+where the cap lies. It reads the float32 cache of `bench/test_bench_decode.py`'s GQA case (Hk=8,
+Nk=16384, D=128: 128 MiB of keys and values) in the decode kernel's order (per KV head, a block
+of 256 key rows, then the same block's value rows, no software prefetch) with the same
+arithmetic per row (64 FMAs on the 16 vectors of a key and a value row, as four query rows
+need), in four loop shapes:
 
-* ``1 load per cache vector``: each row read front to back, its FMAs taking their other operand
-  from registers;
-* ``5 loads per cache vector``: the same, the other operands loaded from L1 (four query rows);
+* ``1 load per cache vector``: each row read once, front to back, its FMAs taking their other
+  operand from registers;
+* ``2 passes, the second from L2``: the same, but each block read twice (two query rows a pass,
+  two FMAs per vector each time), as two query rows at a time must when four rows' query
+  vectors or accumulators do not fit in the 32 registers;
+* ``5 loads per cache vector``: one pass, the other operands loaded from L1 (four query rows);
 * ``four-row shapes, 2 loads per``: Q K^T four keys x four query rows at a time (the loads hop
   between four rows, a query vector loaded for every four key vectors) and P V four query rows x
   four vectors (two passes over the block, half a row each, a broadcast of P for every four value
-  vectors): the decode kernel's shapes until 2026-11-30, and still its shapes for other head
-  dims and for half-precision caches.
+  vectors): the decode kernel's shapes for other head dims and for half-precision caches.
 
 It times them next to `cpuflash.attention_with_kvcache` on the same cache and the sum over 1 GiB
 that `bench/test_bench_decode.py` uses as the yardstick, interleaved, best of N. On the 2-core
-EPYC (Zen 5) the first shape streamed at 82-88% of the yardstick, the other two at 52-67%, on one
-thread and on two: with the FMAs the same, what a loop loads besides the cache costs the stream
-more than the arithmetic does. On one thread the kernel streamed at 61% with the four-row
-shapes and at 63% with its two-row ones (72% with 512-key blocks, which it does not use: see
-`tiling.decode_plan`).
+EPYC (Zen 5), on one thread (2026-11-30): 84% for the first shape, 70% for two passes, 61% and
+51% for the others, and 74% for the kernel, whose Q K^T reads each key row once (prefetching
+ahead) and whose P V still takes two passes. A second pass over a block costs the stream more
+than its arithmetic. The kernel read 61-63% with two passes in Q K^T too.
 
     python bench/stream_shapes.py --threads 1      # one core: the cleanest comparison
     python bench/stream_shapes.py                  # every thread
@@ -81,6 +82,25 @@ def _one_load(data, start, weights, total):
             y = vload(data, o + 7 * N)
             a4, a5, a6, a7 = vfma(y, w7, a4), vfma(y, w0, a5), vfma(y, w1, a6), vfma(y, w2, a7)
     return _fold(total, (a0, a1, a2, a3, a4, a5, a6, a7))
+
+
+@numba.njit(inline="always")
+def _two_passes(data, start, weights, total):
+    """BLOCK rows from flat `start`, each front to back, twice (the second time from L2): two
+    FMAs per loaded vector each time, with weights held in registers, as two query rows at a
+    time would take them."""
+    w0, w1, w2, w3 = vload(weights, 0), vload(weights, N), vload(weights, 2 * N), \
+        vload(weights, 3 * N)
+    a0 = a1 = a2 = a3 = vzeros(data)
+    for p in range(2):
+        for c in range(BLOCK):
+            for x in range(0, HEAD_DIM, 2 * N):
+                o = start + c * HEAD_DIM + x
+                y = vload(data, o)
+                a0, a1 = vfma(y, w0, a0), vfma(y, w1, a1)
+                y = vload(data, o + N)
+                a2, a3 = vfma(y, w2, a2), vfma(y, w3, a3)
+    return _fold(total, (a0, a1, a2, a3))
 
 
 @numba.njit(inline="always")
@@ -187,10 +207,12 @@ def main(argv=None):
     except ImportError:
         total = data.sum
     one_load, five_loads = _streamer(_one_load, _one_load), _streamer(_five_loads, _five_loads)
+    two_passes = _streamer(_two_passes, _two_passes)
     four_rows = _streamer(_qk_shape, _pv_shape)
     calls = {
         "read 1 GiB (the yardstick)": total,
         "1 load per cache vector": lambda: one_load(k_cache, v_cache, weights),
+        "2 passes, the second from L2": lambda: two_passes(k_cache, v_cache, weights),
         "5 loads per cache vector": lambda: five_loads(k_cache, v_cache, weights),
         "four-row shapes, 2 loads per": lambda: four_rows(k_cache, v_cache, weights),
         "attention_with_kvcache": lambda: cpuflash.attention_with_kvcache(q, k_cache, v_cache),
