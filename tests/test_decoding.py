@@ -152,14 +152,15 @@ def test_rows_read_in_place_with_wide_values(rng, hq, hk):
     check_against_cache(out, lse, q, k_cache, v_cache, seqlens, 1, causal=True)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype,d", [(np.float32, 128), (np.float64, 64), (np.float64, 128)])
 @pytest.mark.parametrize("hq,hk", [(8, 2), (6, 2), (4, 4), (16, 2)])  # groups of 4, 3, 1, 8
-def test_head_dim_of_eight_vectors_paged_and_not(rng, dtype, hq, hk):
-    """D = Dv = 128 (for float32 with AVX-512, eight vectors: the two-row micro-kernels up to
-    four rows, the four-row ones past that; float64, or AVX2, take the four-row ones), in pages
-    of 7 rows, so a key block is cut into runs of every length mod 4; the paged result is the
-    unpaged one bit for bit."""
-    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, hq=hq, hk=hk, d=128, d_v=128,
+def test_head_dim_of_eight_vectors_paged_and_not(rng, dtype, d, hq, hk):
+    """A head dim of eight vectors with AVX-512 (128 float32 or 64 float64 lanes): Q K^T in one
+    pass for three or four rows, two rows at a time for one or two, P V two rows at a time, the
+    four-row micro-kernels past four rows; float64 at D = 128, or AVX2, take the four-row ones.
+    In pages of 7 rows, so a key block is cut into runs of every length mod 4 (odd tails, and
+    the prefetch following the runs); the paged result is the unpaged one bit for bit."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, hq=hq, hk=hk, d=d, d_v=d,
                                                     n_max=700, dtype=dtype, n_new=0)
     table = rng.permutation(3 * 100).reshape(3, 100).astype(np.int32)
     k_pages, v_pages = to_pages(k_cache, 7, table), to_pages(v_cache, 7, table)

@@ -356,7 +356,7 @@ def test_row_sums_share_a_tree_and_equal_vhsum_bit_for_bit(rng, dtype):
 @numba.njit(cache=True)
 def _narrow_row_sums(x, out, ref):
     """x (8, lanes) -> out (4, 4) through vstore_hsums with rows given as tuples: four rows of
-    two, then two rows of one in the last two columns; ref through vhsum."""
+    two in columns 0-1, then two rows of one in column 2 of rows 0-1; ref through vhsum."""
     a, b, c, d = vload(x[0], 0), vload(x[1], 0), vload(x[2], 0), vload(x[3], 0)
     e, f, g, h = vload(x[4], 0), vload(x[5], 0), vload(x[6], 0), vload(x[7], 0)
     vstore_hsums(out, 0, 4, ((a, b), (c, d), (e, f), (g, h)))

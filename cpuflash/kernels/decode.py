@@ -33,8 +33,8 @@ from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzer
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
-# how many key rows ahead `_dot_quad` prefetches (16 rows of 128 float32: 8 KiB; 8 and 32
-# measured alike)
+# how many key rows ahead `_dot_quad` and `_dot_pair` prefetch (16 rows of 128 float32: 8 KiB;
+# 8 and 32 measured alike)
 AHEAD = 16
 
 
@@ -87,9 +87,10 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
-            # -- S = Q K^T, one dot product along D per (row, key), each key row read once from
-            # the cache where the rows are whole vectors (the four-row micro-kernels prefetching
-            # the block's value rows meanwhile), else from a widened copy
+            # -- S = Q K^T, one dot product along D per (row, key), each key row read from the
+            # cache where the rows are whole vectors (the four-row micro-kernels prefetching the
+            # block's value rows meanwhile, the one-pass ones their own key rows ahead), else
+            # from a widened copy
             if direct:
                 n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
                                      k_starts)
@@ -211,8 +212,8 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     With `ahead`, the four-row micro-kernel of the first four rows also prefetches the rows of
     the same block columns in `later` (runs `later_starts`, `later_step` apart: the block's
     value rows), one cache line per vector: the kernel reads two arrays in turns, and the
-    hardware prefetcher would start each turn cold. The one-pass kernel for eight vectors
-    prefetches its own key rows ahead instead (`_dot_quad`).
+    hardware prefetcher would start each turn cold. The one-pass kernels for eight vectors
+    (`_dot_quad`, `_dot_pair`) prefetch their own key rows ahead instead.
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
     if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: these measured 2x slower)
@@ -243,15 +244,12 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
     u4, u5, u6, u7 = (vload(q_rows, p + 4 * n), vload(q_rows, p + 5 * n),
                       vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
     qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
-    ahead, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)
+    col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
         while c + 4 <= end:
-            for _ in range(4):
-                if j < n_runs:
-                    _prefetch_row(keys, f, dp)
-                j, f = _next_position(run_cols, starts, n_runs, step, ahead, j, f)
-                ahead += 1
+            for _ in range(4):  # the key rows four columns further on, across runs
+                j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
             a0, b0 = _dot2(keys, k, half, qs)
             a1, b1 = _dot2(keys, k + step, half, qs)
             a2, b2 = _dot2(keys, k + 2 * step, half, qs)
@@ -264,8 +262,7 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             scores[r, c] = vhsum(a)
             scores[r + 1, c] = vhsum(b_)
             k += step
-            j, f = _next_position(run_cols, starts, n_runs, step, ahead, j, f)
-            ahead += 1
+            j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
 
 
 @jit
@@ -276,8 +273,8 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
     vectors in registers and rows 2 and 3 load theirs from L1, two keys at a time: 8 FMA chains
     in 27 registers. Each step prefetches the key rows `AHEAD` columns on, following the runs
     across pages: this loop issues more instructions per cache line than the hardware
-    prefetcher keeps ahead of (it streamed at about 65% of the read bandwidth without, 95-100%
-    with, on one core). A missing
+    prefetcher keeps ahead of (Q K^T alone streamed at 63-70% of the read bandwidth without,
+    96-102% with, on one core). A missing
     fourth row repeats the third, its sums landing in the padding row of `scores`."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     q0, q1, q2, q3 = vload(q_rows, 0), vload(q_rows, n), vload(q_rows, 2 * n), vload(q_rows, 3 * n)
@@ -289,15 +286,12 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
                       vload(q_rows, dp + 6 * n), vload(q_rows, dp + 7 * n))
     qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
     o2, o3 = 2 * dp, (count - 1) * dp
-    ahead, (j, o) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
+    col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
         while c + 2 <= end:
             for _ in range(2):  # the key rows two columns further on, across runs
-                if j < n_runs:
-                    _prefetch_row(keys, o, dp)
-                j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
-                ahead += 1
+                j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half, qs, q_rows, o2, o3)
             vstore_hsums(scores, c, sw, ((a0, a1), (b0, b1), (e0, e1), (f0, f1)))
             c += 2
@@ -306,15 +300,19 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k, half, qs, q_rows, o2, o3)
             scores[0, c], scores[1, c] = vhsum(a0), vhsum(b0)
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
-            j, o = _next_position(run_cols, starts, n_runs, step, ahead, j, o)
-            ahead += 1
+            j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
 
 
 @jit
-def _prefetch_row(arr, o, width):
-    """Prefetch the cache lines of arr's `width` elements from flat `o`."""
-    for x in range(0, width, 64 // arr.itemsize):
-        prefetch(arr, o + x)
+def _prefetch_next(arr, run_cols, starts, n_runs, step, width, col, j, o):
+    """Prefetch the cache lines of the `width` elements of block column `col`, at run j and
+    flat offset o (`_run_position`; nothing past the block's end), and move on to the next
+    column: returns its (j, o, col)."""
+    if j < n_runs:
+        for x in range(0, width, 64 // arr.itemsize):
+            prefetch(arr, o + x)
+    j, o = _next_position(run_cols, starts, n_runs, step, col, j, o)
+    return j, o, col + 1
 
 
 @jit
