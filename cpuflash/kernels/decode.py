@@ -216,7 +216,9 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     (`_dot_quad`, `_dot_pair`) prefetch their own key rows ahead instead.
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
-    if dp == 8 * n and rows <= 4 and half == 0:  # (half caches: these measured 2x slower)
+    # (half caches keep the four-row shapes: the one-pass Q K^T, widening as it loads, measured
+    # 2x slower on a float16 cache)
+    if dp == 8 * n and rows <= 4 and half == 0:
         if rows > 2:
             _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
         else:
@@ -233,17 +235,8 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
     rows' query vectors are held in registers and every key row is read front to back, four
     keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
     missing second row repeats the first, its sums landing in the padding rows of `scores`."""
-    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
-    o, p = r * dp, (r + count - 1) * dp
-    q0, q1, q2, q3 = (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
-                      vload(q_rows, o + 3 * n))
-    q4, q5, q6, q7 = (vload(q_rows, o + 4 * n), vload(q_rows, o + 5 * n),
-                      vload(q_rows, o + 6 * n), vload(q_rows, o + 7 * n))
-    u0, u1, u2, u3 = (vload(q_rows, p), vload(q_rows, p + n), vload(q_rows, p + 2 * n),
-                      vload(q_rows, p + 3 * n))
-    u4, u5, u6, u7 = (vload(q_rows, p + 4 * n), vload(q_rows, p + 5 * n),
-                      vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
-    qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
+    dp, sw = q_rows.shape[1], scores.shape[1]
+    qs = _pair_vectors(q_rows, r * dp, (r + count - 1) * dp)
     col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
@@ -274,17 +267,10 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
     in 27 registers. Each step prefetches the key rows `AHEAD` columns on, following the runs
     across pages: this loop issues more instructions per cache line than the hardware
     prefetcher keeps ahead of (Q K^T alone streamed at 63-70% of the read bandwidth without,
-    96-102% with, on one core). A missing
-    fourth row repeats the third, its sums landing in the padding row of `scores`."""
-    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
-    q0, q1, q2, q3 = vload(q_rows, 0), vload(q_rows, n), vload(q_rows, 2 * n), vload(q_rows, 3 * n)
-    q4, q5, q6, q7 = (vload(q_rows, 4 * n), vload(q_rows, 5 * n), vload(q_rows, 6 * n),
-                      vload(q_rows, 7 * n))
-    u0, u1, u2, u3 = (vload(q_rows, dp), vload(q_rows, dp + n), vload(q_rows, dp + 2 * n),
-                      vload(q_rows, dp + 3 * n))
-    u4, u5, u6, u7 = (vload(q_rows, dp + 4 * n), vload(q_rows, dp + 5 * n),
-                      vload(q_rows, dp + 6 * n), vload(q_rows, dp + 7 * n))
-    qs = (q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7)
+    96-102% with, on one core). A missing fourth row repeats the third, its sums landing in
+    the padding row of `scores`."""
+    dp, sw = q_rows.shape[1], scores.shape[1]
+    qs = _pair_vectors(q_rows, 0, dp)
     o2, o3 = 2 * dp, (count - 1) * dp
     col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
@@ -365,6 +351,18 @@ def _quad_step(keys, k0, k1, x, half, qa, qb, q_rows, o2, o3, acc):
     f0, f1 = vfma(q, y0, f0), vfma(q, y1, f1)
     return (vfma(qa, y0, a0), vfma(qa, y1, a1), vfma(qb, y0, b0), vfma(qb, y1, b1), e0, e1, f0,
             f1)
+
+
+@jit
+def _pair_vectors(q_rows, o, p):
+    """The eight vectors of the query row at flat o, then the eight of the one at flat p."""
+    n = _steps.lanes(q_rows)
+    return (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
+            vload(q_rows, o + 3 * n), vload(q_rows, o + 4 * n), vload(q_rows, o + 5 * n),
+            vload(q_rows, o + 6 * n), vload(q_rows, o + 7 * n),
+            vload(q_rows, p), vload(q_rows, p + n), vload(q_rows, p + 2 * n),
+            vload(q_rows, p + 3 * n), vload(q_rows, p + 4 * n), vload(q_rows, p + 5 * n),
+            vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
 
 
 @jit
