@@ -509,22 +509,18 @@ def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
     p0, p1, p2, p3 = _row_starts(r, count, sw)
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
-    j, later_end = 0, later_cols[n_later]  # the later run holding column c, and its last column
-    lo = later_starts[0] + x
+    j, lo = _run_position(later_cols, later_starts, n_later, later_step, 0)  # the later row
     for i in range(n_runs):
         o = starts[i] + x
         for c in range(run_cols[i], run_cols[i + 1]):
             v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
             v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
-            if c < later_end:  # the same columns of a later row, one cache line per vector
-                if c == later_cols[j + 1]:
-                    j += 1
-                    lo = later_starts[j] + x
-                prefetch(later, lo)
-                prefetch(later, lo + n)
-                prefetch(later, lo + 2 * n)
-                prefetch(later, lo + 3 * n)
-                lo += later_step
+            if j < n_later:  # the same columns of a later row, one cache line per vector
+                prefetch(later, lo + x)
+                prefetch(later, lo + x + n)
+                prefetch(later, lo + x + 2 * n)
+                prefetch(later, lo + x + 3 * n)
+                j, lo = _next_position(later_cols, later_starts, n_later, later_step, c, j, lo)
             p = vbroadcast(scores, p0 + c)
             a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
                 vfma(p, v3, a03)
