@@ -10,7 +10,10 @@ each compiles its kernels on first use (about 10 s each; the cache lives in the 
 revision is checked against the first one's output before timing. Prints ns per visible
 query-key pair (summed over heads) and each case's time against the last revision's. On a
 shared machine this is the fair way to tell whether a change is faster: the revisions meet the
-same noise, round after round.
+same noise, round after round. Name the base revision twice (``HEAD HEAD WORKTREE``) for a
+control: two copies of the same code can differ by a few percent (by up to 3% decoding from
+memory and 8% decoding from L3 on one thread, 2026-11-30), so a gain smaller than the copies'
+difference is not one.
 """
 
 import argparse
