@@ -2,7 +2,9 @@
 
 * ALiBi and softcap against plain causal attention: B=1, H=8, N=4096, D=128.
 * A sliding window (256, 0) over N=16384: the cost per visible pair is what to compare with the
-  plain causal line, since the window leaves only 257 keys per query.
+  plain causal line, since the window leaves only 257 keys per query. Wider windows (1024 and
+  4096 keys) and plain causal attention at the same N=16384 show how the cost per pair depends
+  on the window: a short row pays its query read, softmax and output over fewer pairs.
 * An additive bias of shape (1, 1, N, N) and a boolean mask of shape (N, N) (lower triangular,
   so it hides what `causal` hides) against plain and causal attention at N=2048.
 
@@ -27,6 +29,7 @@ SMALL = os.environ.get("CPUFLASH_BENCH_SMALL") == "1"
 HEADS, HEAD_DIM = (2, 32) if SMALL else (8, 128)
 N_MODIFIERS = 256 if SMALL else 4096
 N_WINDOW, WINDOW = (512, (32, 0)) if SMALL else (16384, (256, 0))
+WIDER_WINDOWS = (128, 256) if SMALL else (1024, 4096)
 N_ARRAYS = 192 if SMALL else 2048
 # Length of the correctness check: large enough for several tiles, small enough for a dense
 # float64 reference.
@@ -50,6 +53,9 @@ FEATURES = {
                                                  alibi_slopes=_alibi_slopes(HEADS))),
     "causal-softcap": (N_MODIFIERS, lambda n: dict(causal=True, softcap=30.0)),
     "window": (N_WINDOW, lambda n: dict(window=WINDOW)),
+    **{f"window-{left}": (N_WINDOW, lambda n, left=left: dict(window=(left, 0)))
+       for left in WIDER_WINDOWS},
+    f"causal-N{N_WINDOW}": (N_WINDOW, lambda n: dict(causal=True)),
     "plain-N{}".format(N_ARRAYS): (N_ARRAYS, lambda n: dict()),
     "causal-N{}".format(N_ARRAYS): (N_ARRAYS, lambda n: dict(causal=True)),
     "bias": (N_ARRAYS, lambda n: dict(
