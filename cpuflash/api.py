@@ -239,8 +239,10 @@ def _run_decode(call):
     kernel(call.q, call.k, call.v, call.block_table, call.page_rows, call.n_keys, plan.split_len,
            plan.block_k, call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi,
            part_out, part_lse)
-    out, lse = merge_states(part_out, part_lse) if plan.n_splits > 1 else (part_out[0],
-                                                                              part_lse[0])
+    if plan.n_splits > 1:
+        out, lse = merge_states(part_out, part_lse)
+    else:
+        out, lse = part_out[0], part_lse[0]
     if call.sinks.size:
         sink = call.sinks[None, :, None]
         with_sink = np.logaddexp(lse, sink)
