@@ -222,7 +222,7 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
         if rows > 2:
             _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
         else:
-            _dot_pair(q_rows, 0, rows, keys, run_cols, starts, n_runs, step, scores, half)
+            _dot_pair(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
         return
     for r in range(0, rows, 4):
         _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
@@ -230,13 +230,13 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
 
 
 @jit
-def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half):
-    """`_dot_rows` for rows r, r + count - 1 (count <= 2) of a head dim of eight vectors: both
+def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half):
+    """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
     keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
     missing second row repeats the first, its sums landing in the padding rows of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
-    qs = _pair_vectors(q_rows, r * dp, (r + count - 1) * dp)
+    qs = _pair_vectors(q_rows, 0, (count - 1) * dp)
     col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
@@ -247,13 +247,13 @@ def _dot_pair(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             a1, b1 = _dot2(keys, k + step, half, qs)
             a2, b2 = _dot2(keys, k + 2 * step, half, qs)
             a3, b3 = _dot2(keys, k + 3 * step, half, qs)
-            vstore_hsums(scores, r * sw + c, sw, (a0, a1, a2, a3, b0, b1, b2, b3))
+            vstore_hsums(scores, c, sw, (a0, a1, a2, a3, b0, b1, b2, b3))
             c += 4
             k += 4 * step
         for c in range(c, end):  # the run's last keys, one at a time
             a, b_ = _dot2(keys, k, half, qs)
-            scores[r, c] = vhsum(a)
-            scores[r + 1, c] = vhsum(b_)
+            scores[0, c] = vhsum(a)
+            scores[1, c] = vhsum(b_)
             k += step
             j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
 
