@@ -5,8 +5,10 @@ where the cap lies. It reads the float32 cache of `bench/test_bench_decode.py`'s
 Nk=16384, D=128: 128 MiB of keys and values) in the decode kernel's order (per KV head, a block
 of 256 key rows, then the same block's value rows, no software prefetch) with the same
 arithmetic per row (64 FMAs on the 16 vectors of a key and a value row, as four query rows
-need), in four loop shapes:
+need), in four loop shapes, after a loop that only reads:
 
+* ``reads only``: each row read once, front to back, an add per vector: the kernel's order of
+  reads alone;
 * ``1 load per cache vector``: each row read once, front to back, its FMAs taking their other
   operand from registers;
 * ``2 passes, the second from L2``: the same, but each block read twice (two query rows a pass,
@@ -23,7 +25,10 @@ that `bench/test_bench_decode.py` uses as the yardstick, interleaved, best of N.
 EPYC (Zen 5), on one thread (2026-11-30): 84% for the first shape, 70% for two passes, 61% and
 51% for the others, and 74% for the kernel, whose Q K^T reads each key row once (prefetching
 ahead) and whose P V still takes two passes. A second pass over a block costs the stream more
-than its arithmetic. The kernel read 61-63% with two passes in Q K^T too.
+than its arithmetic. The kernel read 61-63% with two passes in Q K^T too. The reads alone, in
+the kernel's order, streamed at 92% on one thread and 95-112% on two (three runs, a later session
+of 2026-11-30), where the kernel read 76% and 75-90%: the order of the reads is not what holds
+the kernel back, the arithmetic beside them is.
 
     python bench/stream_shapes.py --threads 1      # one core: the cleanest comparison
     python bench/stream_shapes.py                  # every thread
@@ -51,6 +56,19 @@ def _fold(total, accumulators):
     for vector in accumulators:
         total = vadd(total, vector)
     return total
+
+
+@numba.njit(inline="always")
+def _read_only(data, start, weights, total):
+    """BLOCK rows from flat `start`, each front to back, one add per loaded vector: the
+    kernel's order of reads with no arithmetic to speak of."""
+    a0 = a1 = a2 = a3 = vzeros(data)
+    for c in range(BLOCK):
+        for x in range(0, HEAD_DIM, 4 * N):
+            o = start + c * HEAD_DIM + x
+            a0, a1 = vadd(a0, vload(data, o)), vadd(a1, vload(data, o + N))
+            a2, a3 = vadd(a2, vload(data, o + 2 * N)), vadd(a3, vload(data, o + 3 * N))
+    return _fold(total, (a0, a1, a2, a3))
 
 
 @numba.njit(inline="always")
@@ -206,11 +224,13 @@ def main(argv=None):
         total = torch.from_numpy(data).sum
     except ImportError:
         total = data.sum
+    read_only = _streamer(_read_only, _read_only)
     one_load, five_loads = _streamer(_one_load, _one_load), _streamer(_five_loads, _five_loads)
     two_passes = _streamer(_two_passes, _two_passes)
     four_rows = _streamer(_qk_shape, _pv_shape)
     calls = {
         "read 1 GiB (the yardstick)": total,
+        "reads only, no arithmetic": lambda: read_only(k_cache, v_cache, weights),
         "1 load per cache vector": lambda: one_load(k_cache, v_cache, weights),
         "2 passes, the second from L2": lambda: two_passes(k_cache, v_cache, weights),
         "5 loads per cache vector": lambda: five_loads(k_cache, v_cache, weights),
