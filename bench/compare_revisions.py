@@ -40,7 +40,8 @@ def _slopes():
 # name -> (Nq, Nk, options, Hq, Hk, D, dtype); the score-modifier cases of
 # bench/test_bench_features.py, a dense short-key case (each row sees 256 keys, as a window of
 # 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
-# with a float16 cache, with D=64, and with groups of one and two query heads per KV head too
+# with a float16 cache, with D=64, with groups of one and two query heads per KV head, and paged
+# (pages of 16 and 256 rows, shuffled) too
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -55,7 +56,28 @@ CASES = {
     "decode-d64": (1, 16384, {}, 32, 8, 64, np.float32),
     "decode-mha": (1, 16384, {}, 8, 8, HEAD_DIM, np.float32),
     "decode-g2": (1, 16384, {}, 16, 8, HEAD_DIM, np.float32),
+    "decode-pages16": (1, 16384, dict(page_size=16), 32, 8, HEAD_DIM, np.float32),
+    "decode-pages256": (1, 16384, dict(page_size=256), 32, 8, HEAD_DIM, np.float32),
 }
+
+
+def _paged(k, v, options, rng):
+    """(k, v, options) with the caches cut into pages of ``options["page_size"]`` rows, stored
+    in a shuffled order and found through a block table; unchanged without a page size."""
+    if "page_size" not in options:
+        return k, v, options
+    options = dict(options)
+    size = options.pop("page_size")
+    n_pages = k.shape[2] // size
+    order = rng.permutation(n_pages)
+    paged = []
+    for cache in (k, v):
+        pages = cache[0].reshape(cache.shape[1], n_pages, size, cache.shape[3]).swapaxes(0, 1)
+        store = np.empty_like(pages)
+        store[order] = pages
+        paged.append(store)
+    options["block_table"] = order[None, :].astype(np.int32)
+    return paged[0], paged[1], options
 
 
 def _call(package, name, q, k, v, options):
@@ -101,6 +123,7 @@ def main(argv=None):
             q = rng.standard_normal((1, heads, n_q, d), dtype=np.float32).astype(dtype)
             k, v = (rng.standard_normal((1, kv_heads, n_k, d), dtype=np.float32).astype(dtype)
                     for _ in range(2))
+            k, v, options = _paged(k, v, options, rng)
             causal = options.get("causal", False) or name.startswith("decode")
             pairs = heads * runner.visible_pairs(n_q, n_k, causal, options.get("window"))
             first = _call(packages[0], name, q, k, v, options)

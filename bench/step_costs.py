@@ -108,7 +108,7 @@ def _decode_steps(step, repeats, q_rows, k_cache, v_cache):
                                 v_starts)
             if step == 1:
                 _decode._dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores,
-                                  rows, 0, v_cache, v_starts, v_step, True)
+                                  rows, 0, v_cache, v_starts, v_step, True, _decode.NOTHING_NEXT)
             elif step == 2:
                 _steps.scale_tile(scores, rows, DECODE_BLOCK, 0.1, -EVERYTHING, EVERYTHING)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, DECODE_BLOCK,

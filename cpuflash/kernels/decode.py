@@ -27,6 +27,8 @@ page it touches, so they compute each row's address instead of loading it from a
 
 import numpy as np
 from numba import prange, types
+from numba.extending import overload
+from numba.np.numpy_support import as_dtype
 
 from .._jit import Kernel, array, jit
 from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
@@ -36,6 +38,21 @@ from ._convert import load_widened, row_offset, vector_rows, widen
 # how many key rows ahead `_dot_quad` and `_dot_pair` prefetch (16 rows of 128 float32: 8 KiB;
 # 8 and 32 measured alike)
 AHEAD = 16
+CACHE_LINE = 64  # bytes
+NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
+
+
+def line_elements(arr):
+    """Elements of `arr`'s dtype in one cache line (a compile-time constant in kernels: as a
+    loop step computed at run time, it made `_dot_quad`'s prefetch cost as much as its
+    arithmetic)."""
+    return CACHE_LINE // arr.itemsize
+
+
+@overload(line_elements, jit_options={"cache": True})
+def _line_elements(arr):
+    n = CACHE_LINE // as_dtype(arr.dtype).itemsize
+    return lambda arr: n
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
@@ -89,19 +106,23 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             cols = min(block_k, k_hi - kb)
             # -- S = Q K^T, one dot product along D per (row, key), each key row read from the
             # cache where the rows are whole vectors (the four-row micro-kernels prefetching the
-            # block's value rows meanwhile, the one-pass ones their own key rows ahead), else
-            # from a widened copy
+            # block's value rows meanwhile, the one-pass ones their own key rows ahead, on into
+            # the next block's), else from a widened copy
             if direct:
                 n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
                                      k_starts)
                 _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols, v_starts)
+                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
+                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
+                                     next_starts)
                 _dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
-                          half, v_cache, v_starts, v_step, True)
+                          half, v_cache, v_starts, v_step, True,
+                          next_starts[0] if n_next else NOTHING_NEXT)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
                 _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows, half,
-                          v_cache, v_starts, v_step, False)
+                          v_cache, v_starts, v_step, False, NOTHING_NEXT)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -123,9 +144,6 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             # prefetching the next block's key rows meanwhile)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if direct:
-                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
-                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
-                                     next_starts)
                 _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
                          rows, half, k_cache, next_cols, next_starts, n_next, k_step)
             else:
@@ -199,7 +217,7 @@ def _row_starts(r, count, stride):
 
 @jit
 def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, later,
-              later_starts, later_step, ahead):
+              later_starts, later_step, ahead, next_start):
     """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as runs
     (`_block_runs`; flat element offsets into `keys`, rows `step` elements apart). q_rows are
     zero-padded to whole vectors and so must the key rows be, or D a multiple of them.
@@ -213,16 +231,20 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     the same block columns in `later` (runs `later_starts`, `later_step` apart: the block's
     value rows), one cache line per vector: the kernel reads two arrays in turns, and the
     hardware prefetcher would start each turn cold. The one-pass kernels for eight vectors
-    (`_dot_quad`, `_dot_pair`) prefetch their own key rows ahead instead.
+    (`_dot_quad`, `_dot_pair`) prefetch their own key rows ahead instead, past the block's end
+    into the next block, whose first row is at flat `next_start` of `keys` (`NOTHING_NEXT`:
+    no next block).
     """
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
     # (half caches keep the four-row shapes: the one-pass Q K^T, widening as it loads, measured
     # 2x slower on a float16 cache)
     if dp == 8 * n and rows <= 4 and half == 0:
         if rows > 2:
-            _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
+            _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half,
+                      next_start)
         else:
-            _dot_pair(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half)
+            _dot_pair(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half,
+                      next_start)
         return
     for r in range(0, rows, 4):
         _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
@@ -230,19 +252,19 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
 
 
 @jit
-def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half):
+def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
     keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
     missing second row repeats the first, its sums landing in the padding rows of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
     qs = _pair_vectors(q_rows, 0, (count - 1) * dp)
-    col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        ahead = AHEAD * step  # the prefetched rows: in this run, then in the next one
+        beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
         while c + 4 <= end:
-            for _ in range(4):  # the key rows four columns further on, across runs
-                j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
+            _prefetch_rows(keys, k + (ahead if c + AHEAD + 4 <= end else beyond), 4, step, dp)
             a0, b0 = _dot2(keys, k, half, qs)
             a1, b1 = _dot2(keys, k + step, half, qs)
             a2, b2 = _dot2(keys, k + 2 * step, half, qs)
@@ -251,54 +273,67 @@ def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half)
             c += 4
             k += 4 * step
         for c in range(c, end):  # the run's last keys, one at a time
+            _prefetch_rows(keys, k + beyond, 1, step, dp)
             a, b_ = _dot2(keys, k, half, qs)
             scores[0, c] = vhsum(a)
             scores[1, c] = vhsum(b_)
             k += step
-            j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
 
 
 @jit
-def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half):
+def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
     stream far more than its arithmetic (bench/stream_shapes.py). Rows 0 and 1 keep their query
     vectors in registers and rows 2 and 3 load theirs from L1, two keys at a time: 8 FMA chains
-    in 27 registers. Each step prefetches the key rows `AHEAD` columns on, following the runs
-    across pages: this loop issues more instructions per cache line than the hardware
-    prefetcher keeps ahead of (Q K^T alone streamed at 63-70% of the read bandwidth without,
-    96-102% with, on one core). A missing fourth row repeats the third, its sums landing in
+    in 27 registers. Each step prefetches the key rows `AHEAD` columns on: this loop issues
+    more instructions per cache line than the hardware prefetcher keeps ahead of (Q K^T alone
+    streamed at 63-70% of the read bandwidth without, 96-102% with, on one core). The
+    prefetched rows are found from the current one, one stride per row, and on a run's last
+    rows in the next run (`_run_jump`): no bookkeeping in the loop, which with the block in L2
+    took as long as the arithmetic. A missing fourth row repeats the third, its sums landing in
     the padding row of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
     qs = _pair_vectors(q_rows, 0, dp)
     o2, o3 = 2 * dp, (count - 1) * dp
-    col, (j, f) = AHEAD, _run_position(run_cols, starts, n_runs, step, AHEAD)  # the prefetch
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
+        ahead = AHEAD * step  # the prefetched rows: in this run, then in the next one
+        beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
         while c + 2 <= end:
-            for _ in range(2):  # the key rows two columns further on, across runs
-                j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
+            _prefetch_rows(keys, k + (ahead if c + AHEAD + 2 <= end else beyond), 2, step, dp)
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half, qs, q_rows, o2, o3)
             vstore_hsums(scores, c, sw, ((a0, a1), (b0, b1), (e0, e1), (f0, f1)))
             c += 2
             k += 2 * step
         if c < end:  # the run's last key
+            _prefetch_rows(keys, k + beyond, 1, step, dp)
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k, half, qs, q_rows, o2, o3)
             scores[0, c], scores[1, c] = vhsum(a0), vhsum(b0)
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
-            j, f, col = _prefetch_next(keys, run_cols, starts, n_runs, step, dp, col, j, f)
 
 
 @jit
-def _prefetch_next(arr, run_cols, starts, n_runs, step, width, col, j, o):
-    """Prefetch the cache lines of the `width` elements of block column `col`, at run j and
-    flat offset o (`_run_position`; nothing past the block's end), and move on to the next
-    column: returns its (j, o, col)."""
-    if j < n_runs:
-        for x in range(0, width, 64 // arr.itemsize):
-            prefetch(arr, o + x)
-    j, o = _next_position(run_cols, starts, n_runs, step, col, j, o)
-    return j, o, col + 1
+def _run_jump(run_cols, starts, n_runs, step, i, next_start):
+    """How far the row after run i's last lies from where it would be in the same run, in
+    elements: the prefetches of `_dot_quad` and `_dot_pair` add it past a run's end. The row
+    after the block's last run is the next block's first, at flat `next_start`; with none
+    (`NOTHING_NEXT`), the prefetches fall back on the run's own rows, already read."""
+    if i + 1 < n_runs:
+        after = starts[i + 1]
+    elif next_start != NOTHING_NEXT:
+        after = next_start
+    else:
+        return -AHEAD * step
+    return after - starts[i] - (run_cols[i + 1] - run_cols[i]) * step
+
+
+@jit
+def _prefetch_rows(arr, o, rows, step, width):
+    """Prefetch the cache lines of `width` elements of `rows` rows from flat o, `step` apart."""
+    for r in range(rows):
+        for x in range(0, width, line_elements(arr)):
+            prefetch(arr, o + r * step + x)
 
 
 @jit
