@@ -28,7 +28,7 @@ ahead) and whose P V still takes two passes. A second pass over a block costs th
 than its arithmetic. The kernel read 61-63% with two passes in Q K^T too. The reads alone, in
 the kernel's order, streamed at 92% on one thread and 95-112% on two (three runs, a later session
 of 2026-11-30), where the kernel read 76% and 75-90%: the order of the reads is not what holds
-the kernel back, the arithmetic beside them is.
+the kernel back, but how much of the stream a core keeps in flight while it computes.
 
     python bench/stream_shapes.py --threads 1      # one core: the cleanest comparison
     python bench/stream_shapes.py                  # every thread
