@@ -15,8 +15,15 @@ Each step's figure is net of the driver's own cost (its buffers, its loop), time
 does nothing.
 The steps run on data already in L1/L2, so these are compute costs; the real kernels also wait
 for memory (decoding, and the window's key and value rows, which no other tile has read yet).
+``--memory`` adds what reading from memory costs the forward kernel, on every thread: the
+window (256, 0) and causal attention at N=16384 (H=8, ``out=`` reused), with their query, key and
+value rows read from memory, then aliased to one row (strides of 0: the same arithmetic with
+nothing to read). For decoding, `bench/stream_shapes.py` compares the kernel with loops that
+read the same cache. (Timing Q K^T or P V alone over half of a decode cache misleads: 64 MiB
+partly stays in the 32 MiB L3 between calls, so the halves read faster than the whole: plain
+reads of the keys and of the values took 0.92 and 0.80 ms, of both 2.0 ms.)
 
-    python bench/step_costs.py [--repeats 20]
+    python bench/step_costs.py [--repeats 20] [--memory]
 """
 
 import argparse
@@ -25,6 +32,8 @@ import time
 import numba
 import numpy as np
 
+import cpuflash
+from cpuflash import benchmark as runner
 from cpuflash import tiling
 from cpuflash.kernels import _steps
 from cpuflash.kernels import decode as _decode
@@ -34,6 +43,7 @@ BLOCK_Q, DENSE_BLOCK_K, WINDOW = 384, 256, (256, 0)
 FORWARD_STEPS = ("loop", "Q pack, state init", "K/V pack", "Q K^T", "band mask", "softmax", "P V",
                  "finish rows")
 DECODE_ROWS, DECODE_KEYS, DECODE_BLOCK = 4, 768, 256
+MEMORY_N, HEADS = 16384, 8
 DECODE_STEPS = ("loop", "Q K^T", "scale, softmax", "P V")
 EVERYTHING = _steps.UNBOUNDED
 
@@ -87,44 +97,59 @@ def _forward_steps(step, repeats, q, k, v, out, lse, block_k, left):
 @numba.njit
 def _decode_steps(step, repeats, q_rows, k_cache, v_cache):
     """`repeats` passes of decode step `step` (an index into DECODE_STEPS) over every block of
-    the (unpaged, single-head) cache."""
-    rows, d = q_rows.shape
-    block_table = np.zeros((1, 1), dtype=np.int64)
-    n_keys = k_cache.shape[2]
-    run_cols = np.zeros(4, dtype=np.int64)
-    k_starts, v_starts = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
-    no_cols, no_starts = np.zeros(4, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    the (unpaged) cache, head by head, one query row group serving them all."""
+    for h in range(k_cache.shape[1]):
+        rows, d = q_rows.shape
+        buffers = (np.zeros((1, 1), dtype=np.int64), np.zeros(4, dtype=np.int64),
+                   np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64),
+                   np.zeros(4, dtype=np.int64), np.zeros(3, dtype=np.int64),
+                   np.zeros((4, DECODE_BLOCK), dtype=np.float32),
+                   np.zeros((rows, d), dtype=np.float32), np.full(rows, -np.inf, np.float32),
+                   np.zeros(rows, dtype=np.float32), np.ones(rows, dtype=np.float32))
+        for _ in range(repeats):
+            _decode_pass(step, q_rows, k_cache, v_cache, h, buffers)
+
+
+@numba.njit
+def _decode_pass(step, q_rows, k_cache, v_cache, h, buffers):
+    """One pass of decode step `step` over the key blocks of KV head h, as the kernel makes it
+    (the one-pass Q K^T prefetching on into the next block, P V the next block's key rows)."""
+    block_table, run_cols, k_starts, v_starts, next_cols, next_starts, scores, acc, row_max, \
+        row_sum, alpha = buffers
+    rows, d, n_keys = q_rows.shape[0], q_rows.shape[1], k_cache.shape[2]
     k_step = k_cache.strides[2] // k_cache.itemsize
     v_step = v_cache.strides[2] // v_cache.itemsize
-    scores = np.zeros((4, DECODE_BLOCK), dtype=np.float32)
-    acc = np.zeros((rows, d), dtype=np.float32)
-    row_max, row_sum = np.full(rows, -np.inf, dtype=np.float32), np.zeros(rows, np.float32)
-    alpha = np.ones(rows, dtype=np.float32)
-    for _ in range(repeats):
-        for kb in range(0, n_keys, DECODE_BLOCK):
-            n_runs = _decode._block_runs(k_cache, block_table, 0, 0, kb, DECODE_BLOCK, n_keys,
-                                         run_cols, k_starts)
-            _decode._block_runs(v_cache, block_table, 0, 0, kb, DECODE_BLOCK, n_keys, run_cols,
-                                v_starts)
-            if step == 1:
-                _decode._dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores,
-                                  rows, 0, v_cache, v_starts, v_step, True, _decode.NOTHING_NEXT)
-            elif step == 2:
-                _steps.scale_tile(scores, rows, DECODE_BLOCK, 0.1, -EVERYTHING, EVERYTHING)
-                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, DECODE_BLOCK,
-                                      -EVERYTHING, EVERYTHING)
-            elif step == 3:
-                _decode._pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, d, acc,
-                                 alpha, rows, 0, k_cache, no_cols, no_starts, 0, k_step)
+    for kb in range(0, n_keys, DECODE_BLOCK):
+        n_runs = _decode._block_runs(k_cache, block_table, 0, h, kb, DECODE_BLOCK, n_keys,
+                                     run_cols, k_starts)
+        _decode._block_runs(v_cache, block_table, 0, h, kb, DECODE_BLOCK, n_keys, run_cols,
+                            v_starts)
+        n_next = _decode._block_runs(k_cache, block_table, 0, h, kb + DECODE_BLOCK,
+                                     min(DECODE_BLOCK, n_keys - kb - DECODE_BLOCK), n_keys,
+                                     next_cols, next_starts)
+        if step == 1:
+            _decode._dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
+                              0, v_cache, v_starts, v_step, True,
+                              next_starts[0] if n_next else _decode.NOTHING_NEXT)
+        elif step == 2:
+            _steps.scale_tile(scores, rows, DECODE_BLOCK, 0.1, -EVERYTHING, EVERYTHING)
+            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, DECODE_BLOCK,
+                                  -EVERYTHING, EVERYTHING)
+        elif step == 3:
+            _decode._pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, d, acc, alpha,
+                             rows, 0, k_cache, next_cols, next_starts, n_next, k_step)
 
 
-def _best(call, n_steps, repeats):
-    """Best seconds of call(step) for each step, the steps interleaved in each round."""
+def _best(call, n_steps, repeats, settle=False):
+    """Best seconds of call(step) for each step, the steps interleaved in each round; with
+    `settle`, each call first waits for the threads of the call before to go quiet."""
     for step in range(n_steps):
         call(step)  # compile, and warm the buffers
     best = [float("inf")] * n_steps
     for _ in range(repeats):
         for step in range(n_steps):
+            if settle:
+                runner.settle(lambda: call(step))
             start = time.perf_counter()
             call(step)
             best[step] = min(best[step], time.perf_counter() - start)
@@ -140,9 +165,33 @@ def _print(title, names, costs, unit):
     print(f"  {'all steps':20} {sum(steps):7.1f} {unit}")
 
 
+def _memory(args, rng):
+    """The --memory report: forward calls with their rows read from memory or aliased to one
+    row of it."""
+    n = MEMORY_N
+    real = [rng.standard_normal((1, HEADS, n, HEAD_DIM), dtype=np.float32) for _ in range(3)]
+    aliased = [np.lib.stride_tricks.as_strided(x[:, :, :1], shape=x.shape,
+                                               strides=(x.strides[0], x.strides[1], 0, 4))
+               for x in real]
+    out = np.empty_like(real[0])
+    cases = [(name, rows, options) for name, options in (("window (256, 0)", dict(window=WINDOW)),
+                                                         ("causal", dict(causal=True)))
+             for rows in ("read", "aliased")]
+    seconds = _best(lambda i: cpuflash.attention(*(real if cases[i][1] == "read" else aliased),
+                                                 **cases[i][2], out=out),
+                    len(cases), max(1, args.repeats // 5), settle=True)
+    print(f"forward, N={n}, H={HEADS}, D={HEAD_DIM}, out= reused: ns per visible pair")
+    for (name, rows, options), t in zip(cases, seconds):
+        pairs = HEADS * runner.visible_pairs(n, n, options.get("causal", False),
+                                             options.get("window"))
+        print(f"  {name:16} rows {rows:8} {t / pairs * 1e9:7.3f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--memory", action="store_true",
+                        help="also time forward calls reading from memory and not")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
 
@@ -166,8 +215,10 @@ def main(argv=None):
     calls = 200
     steps = _best(lambda s: _decode_steps(s, calls, q_rows, k_cache, v_cache), len(DECODE_STEPS),
                   args.repeats)
-    _print(f"decode, {DECODE_ROWS} query rows, {DECODE_KEYS} keys in L2", DECODE_STEPS,
-           [t * 1e9 / (calls * DECODE_KEYS) for t in steps], "ns per key row")
+    _print(f"decode, {DECODE_ROWS} query rows, {DECODE_KEYS} keys in L2 (one thread)",
+           DECODE_STEPS, [t * 1e9 / (calls * DECODE_KEYS) for t in steps], "ns per key row")
+    if args.memory:
+        _memory(args, rng)
 
 
 if __name__ == "__main__":
