@@ -96,48 +96,40 @@ def _forward_steps(step, repeats, q, k, v, out, lse, block_k, left):
 
 @numba.njit
 def _decode_steps(step, repeats, q_rows, k_cache, v_cache):
-    """`repeats` passes of decode step `step` (an index into DECODE_STEPS) over every block of
-    the (unpaged) cache, head by head, one query row group serving them all."""
-    for h in range(k_cache.shape[1]):
-        rows, d = q_rows.shape
-        buffers = (np.zeros((1, 1), dtype=np.int64), np.zeros(4, dtype=np.int64),
-                   np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64),
-                   np.zeros(4, dtype=np.int64), np.zeros(3, dtype=np.int64),
-                   np.zeros((4, DECODE_BLOCK), dtype=np.float32),
-                   np.zeros((rows, d), dtype=np.float32), np.full(rows, -np.inf, np.float32),
-                   np.zeros(rows, dtype=np.float32), np.ones(rows, dtype=np.float32))
-        for _ in range(repeats):
-            _decode_pass(step, q_rows, k_cache, v_cache, h, buffers)
-
-
-@numba.njit
-def _decode_pass(step, q_rows, k_cache, v_cache, h, buffers):
-    """One pass of decode step `step` over the key blocks of KV head h, as the kernel makes it
-    (the one-pass Q K^T prefetching on into the next block, P V the next block's key rows)."""
-    block_table, run_cols, k_starts, v_starts, next_cols, next_starts, scores, acc, row_max, \
-        row_sum, alpha = buffers
+    """`repeats` passes of decode step `step` (an index into DECODE_STEPS) over the key blocks
+    of the (unpaged, single-head) cache, as the kernel makes them (the one-pass Q K^T
+    prefetching on into the next block, P V the next block's key rows)."""
     rows, d, n_keys = q_rows.shape[0], q_rows.shape[1], k_cache.shape[2]
+    block_table = np.zeros((1, 1), dtype=np.int64)
+    run_cols, next_cols = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
+    k_starts, v_starts = np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    next_starts = np.zeros(3, dtype=np.int64)
     k_step = k_cache.strides[2] // k_cache.itemsize
     v_step = v_cache.strides[2] // v_cache.itemsize
-    for kb in range(0, n_keys, DECODE_BLOCK):
-        n_runs = _decode._block_runs(k_cache, block_table, 0, h, kb, DECODE_BLOCK, n_keys,
-                                     run_cols, k_starts)
-        _decode._block_runs(v_cache, block_table, 0, h, kb, DECODE_BLOCK, n_keys, run_cols,
-                            v_starts)
-        n_next = _decode._block_runs(k_cache, block_table, 0, h, kb + DECODE_BLOCK,
-                                     min(DECODE_BLOCK, n_keys - kb - DECODE_BLOCK), n_keys,
-                                     next_cols, next_starts)
-        if step == 1:
-            _decode._dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
-                              0, v_cache, v_starts, v_step, True,
-                              next_starts[0] if n_next else _decode.NOTHING_NEXT)
-        elif step == 2:
-            _steps.scale_tile(scores, rows, DECODE_BLOCK, 0.1, -EVERYTHING, EVERYTHING)
-            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, DECODE_BLOCK,
-                                  -EVERYTHING, EVERYTHING)
-        elif step == 3:
-            _decode._pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, d, acc, alpha,
-                             rows, 0, k_cache, next_cols, next_starts, n_next, k_step)
+    scores = np.zeros((4, DECODE_BLOCK), dtype=np.float32)
+    acc = np.zeros((rows, d), dtype=np.float32)
+    row_max, row_sum = np.full(rows, -np.inf, dtype=np.float32), np.zeros(rows, np.float32)
+    alpha = np.ones(rows, dtype=np.float32)
+    for _ in range(repeats):
+        for kb in range(0, n_keys, DECODE_BLOCK):
+            n_runs = _decode._block_runs(k_cache, block_table, 0, 0, kb, DECODE_BLOCK, n_keys,
+                                         run_cols, k_starts)
+            _decode._block_runs(v_cache, block_table, 0, 0, kb, DECODE_BLOCK, n_keys, run_cols,
+                                v_starts)
+            n_next = _decode._block_runs(k_cache, block_table, 0, 0, kb + DECODE_BLOCK,
+                                         min(DECODE_BLOCK, n_keys - kb - DECODE_BLOCK), n_keys,
+                                         next_cols, next_starts)
+            if step == 1:
+                _decode._dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores,
+                                  rows, 0, v_cache, v_starts, v_step, True,
+                                  next_starts[0] if n_next else _decode.NOTHING_NEXT)
+            elif step == 2:
+                _steps.scale_tile(scores, rows, DECODE_BLOCK, 0.1, -EVERYTHING, EVERYTHING)
+                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, DECODE_BLOCK,
+                                      -EVERYTHING, EVERYTHING)
+            elif step == 3:
+                _decode._pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, d, acc,
+                                 alpha, rows, 0, k_cache, next_cols, next_starts, n_next, k_step)
 
 
 def _best(call, n_steps, repeats, settle=False):
