@@ -6,74 +6,87 @@ cache holds one entry per dtype and the first call stays fast. Compilation is la
 call with a given dtype) so that importing cpuflash costs nothing.
 """
 
+import functools
 import hashlib
 import os
 import pathlib
+import stat
+import sys
 import tempfile
 import threading
+import warnings
 
 import numba
+import numpy as np
 from numba import types
 from numba.core import caching
+
+from . import _threads
 
 # `fastmath=True` would add `nnan`/`ninf`, letting LLVM assume no infinity exists: the kernels
 # mask scores with -inf, so only the flags that keep IEEE infinities are allowed. `reassoc` is
 # left out too: it lets LLVM split a sum into partial sums differently in the 6-row and the
-# 1-row micro-kernels, and then a row's bits depended on the tile it fell in (so on the thread
-# count). The SIMD code is explicit, so reassociation bought nothing.
+# 1-row micro-kernels, and then a row's bits would depend on the tile it fell in (so on the
+# thread count). The SIMD code is explicit, so reassociation buys nothing.
 FASTMATH = {"nsz", "arcp", "contract", "afn"}
 
-OPTIONS = dict(cache=True, nogil=True, error_model="numpy", boundscheck=False, fastmath=FASTMATH)
-
-
-class _PackageCacheLocator(caching.InTreeCacheLocator):
-    """Numba cache entries of cpuflash functions, stamped with all of the kernels' sources.
-
-    Numba stamps a cached function with its own file only, but a kernel has the code of the
-    helpers it calls (other files) compiled into it: after an edit or an upgrade of
-    `_steps.py` alone, `forward.py`'s cached kernel would still run the old micro-kernels.
-    Stamping every entry with a hash of all the sources that kernels are compiled from
-    (`kernels/`, `_simd.py`, this file) and the Numba version makes any change to them
-    invalidate every entry, wherever it is stored: `NUMBA_CACHE_DIR` if set,
-    else the package's `__pycache__`, else (a read-only install) Numba's user-wide cache
-    directory, else the temporary directory.
-    """
-
-    def __init__(self, py_func, py_file):
-        super().__init__(py_func, py_file)
-        subpath = self.get_suitable_cache_subpath(py_file)
-        candidates = [self._cache_path, os.path.join(_user_cache_root(), subpath),
-                      os.path.join(tempfile.gettempdir(), f"cpuflash-{os.getuid()}", subpath)]
-        if numba.config.CACHE_DIR:
-            candidates.insert(0, os.path.join(numba.config.CACHE_DIR, subpath))
-        self._cache_path = next((c for c in candidates if _writable(c)), candidates[-1])
-
-    def get_source_stamp(self):
-        return _package_stamp()
-
-    @classmethod
-    def from_function(cls, py_func, py_file):
-        if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
-            return None  # not ours: Numba's own locators
-        return cls(py_func, py_file)
-
-
 _PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parent)
-# the files whose code is compiled into kernels (what the stamp must cover)
-_COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name) for name in ("_jit.py", "_simd.py")]
-_COMPILED_SOURCES += pathlib.Path(_PACKAGE_DIR, "kernels").glob("*.py")
-_stamp = None
+_KERNEL_SOURCE = os.path.join(_PACKAGE_DIR, "kernels", "forward.py")
 
 
-def _package_stamp():
-    global _stamp
-    if _stamp is None:
-        digest = hashlib.sha256(numba.__version__.encode())
-        for path in sorted(_COMPILED_SOURCES):
-            digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
-            digest.update(path.read_bytes())
-        _stamp = digest.hexdigest()
-    return _stamp
+@functools.cache
+def cache_dir_for(py_file):
+    """(folder, why) where the compiled code of functions in `py_file` is cached, or
+    (None, why) when there is no folder fit for it: the first of
+
+    * ``NUMBA_CACHE_DIR`` (the user's choice), when writable;
+    * the ``__pycache__`` next to the source (an editable or user-owned install);
+    * Numba's per-user cache folder (a read-only install);
+    * ``<tmp>/cpuflash-<uid>``, only if it is this user's own and nobody else can write to it.
+
+    A cache entry is machine code and its index a pickle: whoever can write to the folder can
+    run code as the user who loads it. The first three are the user's own (or root's); the
+    temporary folder is shared by every user, so it is created private and checked.
+    """
+    subpath = caching._CacheLocator.get_suitable_cache_subpath(py_file)
+    candidates = [(os.path.join(os.path.dirname(py_file), "__pycache__"),
+                   "next to the source, in the package's __pycache__"),
+                  (os.path.join(_user_cache_root(), subpath),
+                   "Numba's per-user cache folder (the package's __pycache__ is not writable)")]
+    if numba.config.CACHE_DIR:
+        candidates.insert(0, (os.path.join(numba.config.CACHE_DIR, subpath), "NUMBA_CACHE_DIR"))
+    for path, why in candidates:
+        if _writable(path):
+            return path, why
+    private = _private_temp_root()
+    if private is not None and _writable(os.path.join(private, subpath)):
+        return (os.path.join(private, subpath),
+                "a private temporary folder (no user cache folder is writable)")
+    return None, "none fit: kernels compile in memory, in every process"
+
+
+def _private_temp_root():
+    """``<tmp>/cpuflash-<uid>``, created 0700, if it is ours and closed to others; else None."""
+    if not hasattr(os, "getuid"):
+        return None  # Windows: the per-user folder is under the user's profile
+    root = os.path.join(tempfile.gettempdir(), f"cpuflash-{os.getuid()}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    return root if is_private_dir(root) else None
+
+
+def is_private_dir(path):
+    """Whether `path` is a real folder (no link), owned by this user, that only it can write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _writable(path):
@@ -89,6 +102,66 @@ def _user_cache_root():
     from numba.misc.appdirs import AppDirs
 
     return AppDirs(appname="numba", appauthor=False).user_cache_dir
+
+
+def cache_location():
+    """(folder, why) of the kernels' cache; folder is None when they compile in memory."""
+    return cache_dir_for(_KERNEL_SOURCE)
+
+
+CACHING = cache_location()[0] is not None
+if not CACHING:
+    warnings.warn("cpuflash: no private, writable folder for compiled kernels (the package's "
+                  "__pycache__, Numba's per-user cache folder and a private temporary folder "
+                  "were tried): kernels are compiled again in every process. Set "
+                  "NUMBA_CACHE_DIR to a folder of your own to keep them.", RuntimeWarning)
+
+OPTIONS = dict(cache=CACHING, nogil=True, error_model="numpy", boundscheck=False,
+               fastmath=FASTMATH)
+
+
+class _PackageCacheLocator(caching.InTreeCacheLocator):
+    """Numba cache entries of cpuflash functions, in `cache_dir_for`'s folder, stamped with all
+    of the kernels' sources.
+
+    Numba stamps a cached function with its own file only, but a kernel has the code of the
+    helpers it calls (other files) compiled into it: after an edit or an upgrade of
+    `_steps.py` alone, `forward.py`'s cached kernel would still run the old micro-kernels.
+    Stamping every entry with a hash of all the sources that kernels are compiled from
+    (`kernels/`, `_simd.py`, this file) and the Numba version makes any change to them
+    invalidate every entry, wherever it is stored.
+    """
+
+    def __init__(self, py_func, py_file):
+        super().__init__(py_func, py_file)
+        # (a source folder without a fit folder of its own shares the kernels' one)
+        self._cache_path = cache_dir_for(py_file)[0] or cache_location()[0]
+
+    def get_source_stamp(self):
+        return _package_stamp()
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
+            return None  # not ours: Numba's own locators
+        return cls(py_func, py_file)
+
+
+# the files whose code is compiled into kernels (what the stamp must cover)
+_COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name) for name in ("_jit.py", "_simd.py")]
+_COMPILED_SOURCES += pathlib.Path(_PACKAGE_DIR, "kernels").glob("*.py")
+_stamp = None
+
+
+def _package_stamp():
+    global _stamp
+    if _stamp is None:
+        digest = hashlib.sha256(numba.__version__.encode())
+        for path in sorted(_COMPILED_SOURCES):
+            digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
+            digest.update(path.read_bytes())
+        _stamp = digest.hexdigest()
+    return _stamp
 
 
 # first in line: used for cpuflash's files, declines every other file
@@ -107,20 +180,28 @@ def array(dtype, ndim, readonly=False):
     return types.Array(numba.from_dtype(dtype), ndim, "A", readonly=readonly)
 
 
+# A compile takes seconds, a load from the cache a tenth of one: a compile is what is still
+# running after this long, and only then is the user told.
+NOTICE_AFTER = 1.0
+_noticed = threading.Event()
+
+
 class Kernel:
     """A parallel kernel compiled once per signature key, on first use.
 
     `signature(key)` returns the Numba signature for a key (a dtype, say); each key gets its own
     dispatcher, compiled for exactly that signature with compilation then disabled, so arrays
     of other layouts are converted to ``"A"`` instead of triggering new specializations.
+    `name` says what the kernel is, in the one line that tells the user a compile is under way.
     """
 
-    def __init__(self, pyfunc, signature, parallel=True):
+    def __init__(self, pyfunc, signature, name, parallel=True):
         self._pyfunc = pyfunc
         self._signature = signature
         self._parallel = parallel
         self._dispatchers = {}
         self._lock = threading.Lock()
+        self.name = name
         self.__doc__ = pyfunc.__doc__
         self.__name__ = pyfunc.__name__
 
@@ -131,7 +212,39 @@ class Kernel:
             with self._lock:
                 dispatcher = self._dispatchers.get(key)
                 if dispatcher is None:
-                    sig = self._signature(key)
-                    dispatcher = numba.njit(sig, parallel=self._parallel, **OPTIONS)(self._pyfunc)
+                    dispatcher = self._compile(key)
+                    if _threads.SERIALIZED and self._parallel:
+                        dispatcher = _serialized(dispatcher)
                     self._dispatchers[key] = dispatcher
         return dispatcher
+
+    def _compile(self, key):
+        sig = self._signature(key)
+        notice = threading.Timer(NOTICE_AFTER, _tell_compiling, (self.name, key))
+        notice.daemon = True
+        notice.start()
+        try:
+            return numba.njit(sig, parallel=self._parallel, **OPTIONS)(self._pyfunc)
+        finally:
+            notice.cancel()
+
+
+def _tell_compiling(name, key):
+    """One line on stderr, once per process, unless CPUFLASH_QUIET is set."""
+    if _noticed.is_set() or os.environ.get("CPUFLASH_QUIET", "") not in ("", "0"):
+        return
+    _noticed.set()
+    dtype = np.dtype(key[0] if isinstance(key, tuple) else key).name
+    where = cache_location()[0]
+    kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
+    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (a few seconds; "
+          f"{kept}; CPUFLASH_QUIET=1 hides this line)", file=sys.stderr, flush=True)
+
+
+def _serialized(dispatcher):
+    """`dispatcher`, launched under the process-wide lock (the `workqueue` layer's fallback)."""
+    @functools.wraps(dispatcher)
+    def launch(*args):
+        with _threads.LAUNCH_LOCK:
+            return dispatcher(*args)
+    return launch

@@ -15,7 +15,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .. import _simd
-from .._jit import OPTIONS, jit
+from .._jit import CACHING, OPTIONS, jit
 
 FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
 
@@ -78,7 +78,7 @@ def narrow(value, like, kind):
     rounded to nearest even."""
 
 
-@overload(widen, jit_options={"cache": True})
+@overload(widen, jit_options={"cache": CACHING})
 def _widen(x, kind):
     if isinstance(x, types.Float):
         return lambda x, kind: x
@@ -90,7 +90,7 @@ def _widen(x, kind):
         return impl
 
 
-@overload(narrow, jit_options={"cache": True})
+@overload(narrow, jit_options={"cache": CACHING})
 def _narrow(value, like, kind):
     if isinstance(like, types.DType):
         like = like.dtype

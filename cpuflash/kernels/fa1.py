@@ -72,4 +72,4 @@ def _signature(dtype):
                       types.boolean, types.int64, types.int64)
 
 
-fa1_forward = Kernel(_fa1_forward, _signature)
+fa1_forward = Kernel(_fa1_forward, _signature, "FlashAttention-1 reference")

@@ -133,4 +133,4 @@ def _signature(key):
         array(np.bool_, 4, readonly=True), index1, array(compute, 1, readonly=True))
 
 
-fa2_forward = Kernel(_fa2_forward, _signature)
+fa2_forward = Kernel(_fa2_forward, _signature, "attention")

@@ -1,0 +1,204 @@
+"""The first call as a new user meets it: threading layer, compile notice, kernel cache folder.
+
+What depends on how the interpreter was installed runs in a fresh interpreter with a clean
+environment (no LD_LIBRARY_PATH, no NUMBA_* settings), from a folder outside the repository.
+"""
+
+import os
+import stat
+import sys
+import threading
+
+import numba
+import numpy as np
+import pytest
+
+from cpuflash import _jit, _threads
+from test_reliability import explain, run_python
+
+FIRST_CALL = """
+    import numba, numpy as np, cpuflash
+    x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
+    out = cpuflash.attention(x, x, x, causal=True)
+    print("layer", numba.threading_layer(), "finite", bool(np.isfinite(out).all()))
+"""
+
+
+def clean_env(**extra):
+    """The variables a login shell has, none that locate libraries or steer Numba."""
+    keep = ("PATH", "HOME", "LANG", "TMPDIR", "USER")
+    env = {name: os.environ[name] for name in keep if name in os.environ}
+    return dict(env, **extra)
+
+
+def notices(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("cpuflash: compiling")]
+
+
+def test_first_parallel_call_in_this_interpreter_with_a_clean_environment(tmp_path):
+    """oneTBB loads wherever pip put it (a venv's `lib`), with no LD_LIBRARY_PATH; a cold
+    cache prints one notice on stderr, a warm one none. .ci/run runs the suite from a fresh
+    venv, where Numba alone does not find the library."""
+    env = clean_env(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    cold = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
+    assert cold.returncode == 0, explain(cold)
+    assert "layer tbb finite True" in cold.stdout, explain(cold)
+    assert "Warning" not in cold.stderr, explain(cold)
+    lines = notices(cold.stderr)
+    assert len(lines) == 1 and str(tmp_path / "cache") in lines[0], explain(cold)
+    assert "float32" in lines[0] and "CPUFLASH_QUIET" in lines[0]
+
+    warm = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
+    assert warm.returncode == 0 and "layer tbb" in warm.stdout, explain(warm)
+    assert warm.stderr == "", explain(warm)
+
+
+WITHOUT_TBB = """
+    import importlib.metadata, os, threading, warnings
+    files = importlib.metadata.files
+    def no_tbb(name):
+        if name == "tbb":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return files(name)
+    importlib.metadata.files = no_tbb
+
+    import numba, numpy as np, cpuflash
+    x = np.random.default_rng(0).standard_normal((2, 3, 70, 16)).astype(np.float32)
+    expected = cpuflash.attention(x, x, x).tobytes()
+    got, barrier = [], threading.Barrier(4)
+    def call():
+        barrier.wait()
+        for _ in range(20):
+            got.append(cpuflash.attention(x, x, x).tobytes())
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if cpuflash.attention(x, x, x).tobytes() == expected else 3)
+    child = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print("layer", numba.threading_layer(), "same", got == [expected] * 80, "child", child)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_without_tbb_threads_and_fork_still_work_with_one_warning(tmp_path):
+    result = run_python(WITHOUT_TBB, env=clean_env(CPUFLASH_QUIET="1"), cwd=str(tmp_path),
+                        timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert "layer workqueue same True child 0" in result.stdout, explain(result)
+    warned = [line for line in result.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(warned) == 1 and "oneTBB could not be loaded" in warned[0], explain(result)
+    assert "one at a time" in warned[0]
+
+
+def test_a_threading_layer_the_user_chose_is_kept(tmp_path):
+    result = run_python("import numba, cpuflash; print(numba.config.THREADING_LAYER)",
+                        env=clean_env(NUMBA_THREADING_LAYER="omp"), cwd=str(tmp_path))
+    assert result.returncode == 0 and result.stdout.strip() == "omp", explain(result)
+
+
+# -- the compile notice ---------------------------------------------------------------------------
+
+def _tiny(x, out):
+    out[0] = x[0] + 1.0
+
+
+@pytest.fixture
+def tiny_kernel(monkeypatch):
+    """A kernel whose compile always outlasts the notice delay, and a fresh notice state."""
+    monkeypatch.setattr(_jit, "NOTICE_AFTER", 0.0)
+    monkeypatch.setattr(_jit, "_noticed", threading.Event())
+    signature = lambda dtype: numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))  # noqa: E731
+    return _jit.Kernel(_tiny, signature, "test", parallel=False)
+
+
+def test_the_compile_notice_is_one_line_once_per_process(tiny_kernel, capsys, monkeypatch):
+    monkeypatch.delenv("CPUFLASH_QUIET", raising=False)
+    for dtype in (np.float32, np.float64):
+        out = np.zeros(1, dtype)
+        tiny_kernel.specialize(np.dtype(dtype))(np.ones(1, dtype), out)
+        assert out[0] == 2.0
+    lines = notices(capsys.readouterr().err)
+    assert len(lines) == 1 and "float32 test kernel" in lines[0], lines
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_cpuflash_quiet_hides_the_compile_notice(tiny_kernel, capsys, monkeypatch, value):
+    monkeypatch.setenv("CPUFLASH_QUIET", value)
+    tiny_kernel.specialize(np.dtype(np.float32))
+    assert notices(capsys.readouterr().err) == []
+
+
+# -- the kernel cache folder ----------------------------------------------------------------------
+
+needs_posix = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+
+
+@pytest.fixture
+def temp_root(tmp_path, monkeypatch):
+    """The temporary folder the cache falls back to, and the path of cpuflash's folder in it."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    return tmp_path / f"cpuflash-{os.getuid()}"
+
+
+@needs_posix
+def test_the_temporary_cache_folder_is_created_private(temp_root):
+    assert _jit._private_temp_root() == str(temp_root)
+    assert stat.S_IMODE(temp_root.stat().st_mode) == 0o700
+
+
+@needs_posix
+def test_a_world_writable_temporary_cache_folder_is_refused(temp_root):
+    temp_root.mkdir()
+    temp_root.chmod(0o777)
+    assert _jit._private_temp_root() is None
+
+
+@needs_posix
+def test_a_group_writable_temporary_cache_folder_is_refused(temp_root):
+    temp_root.mkdir()
+    temp_root.chmod(0o770)
+    assert _jit._private_temp_root() is None
+
+
+@needs_posix
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="planting a folder owned by another user needs root")
+def test_a_temporary_cache_folder_owned_by_another_user_is_refused(temp_root):
+    temp_root.mkdir(mode=0o700)
+    os.chown(temp_root, 4321, 4321)
+    assert _jit._private_temp_root() is None
+
+
+@needs_posix
+def test_a_link_in_place_of_the_temporary_cache_folder_is_refused(temp_root, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    temp_root.symlink_to(target)
+    assert _jit._private_temp_root() is None
+
+
+@needs_posix
+def test_with_no_fit_folder_kernels_are_not_cached(temp_root, monkeypatch):
+    """Every user folder unwritable and a planted temporary folder: no folder at all."""
+    temp_root.mkdir()
+    temp_root.chmod(0o777)
+    # the planted folder would be taken if only writability were asked
+    monkeypatch.setattr(_jit, "_writable", lambda path: path.startswith(str(temp_root)))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    folder, why = _jit.cache_dir_for.__wrapped__(_jit._KERNEL_SOURCE)
+    assert folder is None and "in memory" in why
+
+
+@needs_posix
+def test_the_private_temporary_folder_is_the_last_resort(temp_root, monkeypatch):
+    monkeypatch.setattr(_jit, "_writable", lambda path: path.startswith(str(temp_root)))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", "")
+    folder, why = _jit.cache_dir_for.__wrapped__(_jit._KERNEL_SOURCE)
+    assert folder.startswith(str(temp_root) + os.sep) and "private" in why
+
+
+def test_the_threading_layer_module_says_why_tbb_is_missing(monkeypatch):
+    monkeypatch.setitem(_threads.TBB_SONAME, sys.platform, "no-such-library.so")
+    assert "has no no-such-library.so" in _threads.load_tbb()
