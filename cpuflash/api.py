@@ -8,6 +8,7 @@ from .kernels.decode import decode
 from .kernels.forward import fa2_forward
 
 
+@_validate.public(_validate.attention_args)
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
               bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False, out=None,
               tiles=None):
@@ -70,6 +71,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     widened tile by tile and accumulated in float32. A query row that sees no key gets output 0
     and lse ``-inf`` (with `sinks`: lse ``sinks[h]``), as in flash-attn; torch returns NaN there.
     Results do not depend on the number of threads (``numba.set_num_threads``).
+
+    torch CPU tensors are read in place. cpuflash has no autograd yet: a tensor that requires
+    grad is a TypeError while grad mode is on (no gradient is dropped silently); under
+    ``torch.no_grad()`` or ``torch.inference_mode()`` it is read like any other.
     """
     call = _validate.attention_args(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -105,6 +110,7 @@ def _run_forward(call, seqs):
            call.sinks)
 
 
+@_validate.public()
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                      window=None, softcap=0.0, alibi_slopes=None, return_lse=False):
     """Attention over a batch of packed sequences of different lengths (flash-attn's "thd").
@@ -139,6 +145,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     return call.result(return_lse)
 
 
+@_validate.public(_validate.kvcache_args)
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                            causal=True, scale=None, window=None, softcap=0.0,
                            alibi_slopes=None, sinks=None, block_table=None, layout="bhsd",
@@ -198,6 +205,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     return call.result(return_lse)
 
 
+@_validate.public()
 def merge_states(outs, lses):
     """Exact merge of partial attention results over disjoint sets of keys.
 

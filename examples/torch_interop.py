@@ -1,10 +1,15 @@
 """cpuflash with torch CPU tensors: no copies in or out, and a drop-in for torch's SDPA.
 
-`cpuflash.attention` takes anything `numpy.asarray` can view, so ``tensor.detach().numpy()``
-(``detach`` only when the tensor requires grad) hands torch memory over as is, and
-``torch.from_numpy`` (or ``out=tensor.numpy()``) hands the result back without a copy. `sdpa`
-below mirrors ``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors (forward only,
-no autograd) and is checked against torch on several cases. Exits 0 with a message without torch.
+`cpuflash.attention` takes anything `numpy.asarray` can view, torch CPU tensors included, so torch
+memory goes in as is, and ``torch.from_numpy`` (or ``out=tensor.numpy()``) hands the result back
+without a copy. `sdpa` below mirrors ``torch.nn.functional.scaled_dot_product_attention`` on CPU
+tensors and is checked against torch on several cases.
+
+It is for inference only: cpuflash has no autograd yet, so nothing it returns carries a gradient.
+Run it under ``torch.no_grad()`` or ``torch.inference_mode()``; a tensor that requires grad while
+grad mode is on is an error (no silent detach that would leave every gradient upstream of
+attention None). Training needs the autograd adapter, ``cpuflash.torch`` (to come). Exits 0 with
+a message without torch.
 
     python examples/torch_interop.py
     python examples/torch_interop.py --small   # used by the tests
@@ -28,14 +33,15 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_
 
     Shapes are torch's: query ``(..., Hq, L, E)``, key ``(..., Hk, S, E)``, value
     ``(..., Hk, S, Ev)``. A query row that sees no key gives 0 (torch >= 2.5 too; older torch NaN).
+    Forward only: the tensors go to cpuflash as they are (numpy views of torch's memory), and
+    cpuflash raises a TypeError for one that requires grad while grad mode is on.
     """
-    q, k, v = (t.detach().numpy() for t in (query, key, value))  # views of torch's memory
-    if q.shape[:-2] != k.shape[:-2] and not enable_gqa:
-        raise ValueError(f"query has shape {q.shape} and key {k.shape}: different head "
-                         "counts need enable_gqa=True (as in torch)")
+    if query.shape[:-2] != key.shape[:-2] and not enable_gqa:
+        raise ValueError(f"query has shape {tuple(query.shape)} and key {tuple(key.shape)}: "
+                         "different head counts need enable_gqa=True (as in torch)")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal cannot both be set (as in torch)")
-    n_q, n_k = q.shape[-2], k.shape[-2]
+    n_q, n_k = query.shape[-2], key.shape[-2]
     visibility = {}
     if is_causal:
         # torch aligns the diagonal top-left (key j visible to query i iff j <= i), cpuflash
@@ -47,19 +53,18 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_
         else:  # right would be negative, which a window cannot express: an explicit mask
             visibility["mask"] = np.tri(n_q, n_k, dtype=bool)
     elif attn_mask is not None:
-        mask = attn_mask.detach().numpy()
         # torch: a boolean mask selects the keys that take part, a float mask is added
-        visibility["mask" if mask.dtype == np.bool_ else "bias"] = mask
-    return torch.from_numpy(cpuflash.attention(q, k, v, scale=scale, **visibility))
+        visibility["mask" if attn_mask.dtype == torch.bool else "bias"] = attn_mask
+    return torch.from_numpy(cpuflash.attention(query, key, value, scale=scale, **visibility))
 
 
 def show_zero_copy(n, d):
     """Tensors in, tensor out, and check by address that nothing was copied on the way."""
-    q_t, k_t, v_t = (torch.randn(2, 4, n, d, requires_grad=True) for _ in range(3))
-    q, k, v = (t.detach().numpy() for t in (q_t, k_t, v_t))
+    q_t, k_t, v_t = (torch.randn(2, 4, n, d) for _ in range(3))
+    q, k, v = (t.numpy() for t in (q_t, k_t, v_t))  # what cpuflash sees: views, no copies
     shared_in = all(a.ctypes.data == t.data_ptr() for a, t in ((q, q_t), (k, k_t), (v, v_t)))
 
-    result = cpuflash.attention(q, k, v, causal=True)
+    result = cpuflash.attention(q_t, k_t, v_t, causal=True)  # tensors are taken as they are
     out_t = torch.from_numpy(result)  # shares memory with `result`
     buffer_t = torch.empty(2, 4, n, d)  # or write straight into a preallocated torch tensor
     written = cpuflash.attention(q, k, v, causal=True, out=buffer_t.numpy())
@@ -68,6 +73,26 @@ def show_zero_copy(n, d):
     print(f"no copy in: {shared_in}, no copy out: {shared_out}, "
           f"results equal: {torch.equal(out_t, buffer_t)}")
     return shared_in and shared_out and torch.equal(out_t, buffer_t)
+
+
+def show_no_silent_detach(n, d):
+    """A tensor that requires grad is refused while grad mode is on, and taken under no_grad."""
+    weight = torch.randn(d, d, requires_grad=True)  # a projection being trained
+    x = torch.randn(2, 4, n, d)
+    q = x @ weight  # requires grad
+    try:
+        sdpa(q, x, x)
+    except TypeError as exc:
+        refused = "requires grad" in str(exc)
+        print(f"training (grad mode on): refused, as it should be:\n  TypeError: {exc}")
+    else:
+        refused = False
+        print("training (grad mode on): NOT refused: a gradient would have been lost")
+    with torch.no_grad():  # inference: no gradient wanted, said so deliberately
+        out = sdpa(q, x, x)
+    taken = out.shape == (2, 4, n, d) and not out.requires_grad
+    print(f"inference (torch.no_grad()): runs, output shape {tuple(out.shape)}")
+    return refused and taken
 
 
 def compare_with_torch(name, q, k, v, **kwargs):
@@ -93,16 +118,8 @@ def compare_with_torch(name, q, k, v, **kwargs):
     return ok
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny sizes (for CI)")
-    args = parser.parse_args(argv)
-    if torch is None:
-        print("torch is not installed: nothing to show (pip install torch)")
-        return
-    n, d = (128, 32) if args.small else (1024, 64)
-    torch.manual_seed(0)
-    ok = show_zero_copy(n, d)
+def compare_all(n, d):
+    """`sdpa` against torch's on causal (three alignments), masks and GQA."""
 
     def qkv(n_q, n_k, heads_q=4, heads_k=4):
         return (torch.randn(2, heads_q, n_q, d), torch.randn(2, heads_k, n_k, d),
@@ -112,13 +129,29 @@ def main(argv=None):
     bool_mask[:, :, 0] = False  # a row with no key at all
     float_mask = torch.randn(n, n).masked_fill(torch.rand(n, n) < 0.5, float("-inf"))
     print(f"sdpa() vs torch.nn.functional.scaled_dot_product_attention, D={d}:")
-    ok &= compare_with_torch("Nq == Nk, is_causal", *qkv(n, n), is_causal=True)
+    ok = compare_with_torch("Nq == Nk, is_causal", *qkv(n, n), is_causal=True)
     ok &= compare_with_torch("Nq < Nk, is_causal", *qkv(n // 4, n), is_causal=True)
     ok &= compare_with_torch("Nq > Nk, is_causal", *qkv(n, n // 2), is_causal=True)
     ok &= compare_with_torch("bool mask", *qkv(n, n), attn_mask=bool_mask)
     ok &= compare_with_torch("float mask", *qkv(n, n), attn_mask=float_mask)
     ok &= compare_with_torch("GQA 8:2, is_causal", *qkv(n, n, 8, 2), is_causal=True,
                              enable_gqa=True)
+    return ok
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="tiny sizes (for CI)")
+    args = parser.parse_args(argv)
+    if torch is None:
+        print("torch is not installed: nothing to show (pip install torch)")
+        return
+    n, d = (128, 32) if args.small else (1024, 64)
+    torch.manual_seed(0)
+    ok = show_no_silent_detach(n, d)
+    with torch.inference_mode():  # cpuflash is forward only: run it where no gradient is wanted
+        ok &= show_zero_copy(n, d)
+        ok &= compare_all(n, d)
     if not ok:
         raise SystemExit("FAILED")
     print("OK")

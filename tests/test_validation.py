@@ -96,7 +96,14 @@ CASES = [
     ("tiles triple", with_(tiles=(16, 16, 16)), TypeError, r"`tiles` must be a TileConfig"),
     ("tiles float", with_(tiles=(16, 2.5)), TypeError, r"`block_k` must be an int, got float"),
     ("tiles str", with_(tiles="big"), TypeError, r"`tiles` must be a TileConfig"),
-    ("unknown keyword", with_(dropout=0.1), TypeError, r"unexpected keyword argument 'dropout'"),
+    ("unknown keyword", with_(dropout=0.1), TypeError,
+     r"unexpected keyword argument 'dropout': cpuflash has no attention dropout"),
+    ("misspelt keyword", with_(casual=True), TypeError,
+     r"unexpected keyword argument 'casual': did you mean `causal`\?"),
+    ("bshd arrays", {"q": np.ones((2, 10, 4, 8), f32), "k": np.ones((2, 12, 2, 8), f32),
+                     "v": np.ones((2, 12, 2, 6), f32)}, ValueError,
+     r"query heads \(10\) .* key/value heads \(12\); if these are flash-attn's \(batch, seqlen, "
+     r"heads, dim\) arrays, pass `layout=\"bshd\"`"),
 ]
 
 
