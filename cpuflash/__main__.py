@@ -9,6 +9,8 @@ Usage
     Compare cpuflash with torch SDPA, FlashAttention-1 and naive numpy, side by side in one
     process; print a markdown table and write ``bench.json``, ``bench.md`` and ``bench.png``
     to ``DIR``. See `cpuflash.benchmark`.
+``python -m cpuflash warmup [--dtype DTYPE ...]``
+    Compile and cache the kernels ahead of the first call; print what and where.
 """
 
 import argparse
@@ -29,57 +31,11 @@ def _size(n_bytes):
 
 
 def jit_cache_location():
-    """Where Numba reads and writes cpuflash's compiled kernels.
+    """(folder, why): where cpuflash's compiled kernels are cached (`cpuflash._jit` decides);
+    folder is None when no folder is fit and they compile in memory."""
+    from cpuflash import _jit
 
-    Numba picks the folder per source file with the first of its cache locators that accepts
-    it (by default: ``NUMBA_CACHE_DIR`` when set, else the ``__pycache__`` next to the source
-    when it is writable, else a user-wide cache folder; a package may put its own locator
-    first). Rather than re-implement that order, this asks Numba: a probe function whose code
-    claims to come from ``cpuflash/kernels/forward.py`` goes through Numba's own cache
-    machinery, which looks at the file's path only.
-
-    Returns
-    -------
-    path : str
-    how : str
-        Why that folder, in words, with the name of the locator that chose it.
-    """
-    import numba
-    import cpuflash.kernels
-
-    kernel_dir = os.path.dirname(os.path.abspath(cpuflash.kernels.__file__))
-    source = os.path.join(kernel_dir, "forward.py")
-    try:
-        from numba.core.caching import FunctionCache
-
-        namespace = {}
-        exec(compile("def probe():\n    pass\n", source, "exec"), namespace)
-        cache = FunctionCache(namespace["probe"])
-        path = cache._cache_path
-        locator = type(cache._impl.locator).__name__
-    except Exception as error:  # Numba's cache internals moved: say so rather than guess
-        return (os.path.join(kernel_dir, "__pycache__"),
-                f"Numba's default, unverified ({type(error).__name__} asking Numba)")
-    path = os.path.abspath(path)
-    cache_dir = numba.config.CACHE_DIR
-    if cache_dir and path.startswith(os.path.abspath(cache_dir) + os.sep):
-        why = "NUMBA_CACHE_DIR"
-    elif path == os.path.join(kernel_dir, "__pycache__"):
-        why = "next to the source, in the package's __pycache__"
-    elif path.startswith(os.path.abspath(_numba_user_cache_dir()) + os.sep):
-        why = "Numba's user-wide cache dir, as the package's __pycache__ is not writable"
-    else:
-        why = "chosen by the locator"
-    return path, f"{why} ({locator})"
-
-
-def _numba_user_cache_dir():
-    try:
-        from numba.misc.appdirs import AppDirs
-
-        return AppDirs(appname="numba", appauthor=False).user_cache_dir
-    except Exception:  # only used to describe a path, never to choose one
-        return os.path.expanduser("~/.cache/numba")
+    return _jit.cache_location()
 
 
 def _cache_contents(path):
@@ -135,14 +91,14 @@ def info_lines():
                      f" L1 {_size(l1)} of {_size(caches['l1d'])},"
                      f" L2 {_size(l2)} of {_size(caches['l2'])}")
     cache_path, how = jit_cache_location()
-    count, total = _cache_contents(cache_path)
+    count, total = _cache_contents(cache_path) if cache_path else (0, 0)
     cache_dir_env = os.environ.get("NUMBA_CACHE_DIR")
     lines += [
         f"threads:        {numba.get_num_threads()} (numba.get_num_threads())",
         f"threading:      {threading_layer()}",
         f"versions:       numba {numba.__version__}, llvmlite {llvmlite.__version__}, "
         f"numpy {np.__version__}, python {sys.version.split()[0]}",
-        f"JIT cache:      {cache_path}",
+        f"JIT cache:      {cache_path or 'none (kernels compile in memory)'}",
         f"                chosen by: {how}; NUMBA_CACHE_DIR "
         + (f"= {cache_dir_env}" if cache_dir_env else "not set"),
         f"                holds {count} Numba cache files, {_size(total)}",
@@ -211,6 +167,48 @@ def _bench(arguments):
     return 1 if failed else 0
 
 
+WARMUP_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _warmup(arguments):
+    """Compile (or load from the cache) the attention and decoding kernels of each dtype."""
+    import time
+
+    import numpy as np
+
+    import cpuflash
+
+    dtypes = WARMUP_DTYPES if "all" in arguments.dtype else arguments.dtype
+    os.environ["CPUFLASH_QUIET"] = "1"  # this command says what it compiles itself
+    for name in dict.fromkeys(dtypes):
+        try:
+            dtype = np.dtype(name)
+        except TypeError:
+            if name != "bfloat16":
+                raise
+            import ml_dtypes  # numpy knows bfloat16 by name only once ml_dtypes is imported
+
+            dtype = np.dtype(ml_dtypes.bfloat16)
+        x = np.zeros((1, 1, 4, 8), dtype)
+        for what, call in (("attention", lambda: cpuflash.attention(x, x, x)),
+                           ("KV-cache decoding",
+                            lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))):
+            start = time.perf_counter()
+            call()
+            print(f"{name:9s} {what:18s} ready in {time.perf_counter() - start:5.1f} s",
+                  flush=True)
+    path, how = jit_cache_location()
+    print(f"kernel cache: {path or 'none (kernels compile in memory)'} ({how})")
+    return 0
+
+
+def _dtype_name(text):
+    if text != "all" and text not in WARMUP_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(WARMUP_DTYPES)} or all, got {text!r}")
+    return text
+
+
 def _repeats(text):
     value = int(text)
     if value < 1:
@@ -222,8 +220,8 @@ def build_parser():
     """The argument parser of ``python -m cpuflash``."""
     parser = argparse.ArgumentParser(
         prog="python -m cpuflash",
-        description="cpuflash: exact FlashAttention-2 for CPUs. Inspect the machine or "
-                    "benchmark against other implementations.",
+        description="cpuflash: exact FlashAttention-2 for CPUs. Inspect the machine, "
+                    "benchmark against other implementations, or compile the kernels ahead.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -255,6 +253,18 @@ def build_parser():
     bench.add_argument("--repeats", type=_repeats, default=None, metavar="N",
                        help="timed rounds per case, best kept (default: 5, or 3 with --quick)")
     bench.set_defaults(handler=_bench)
+
+    warmup = commands.add_parser(
+        "warmup", help="compile and cache the kernels ahead of the first call",
+        description="Compile the attention and KV-cache decoding kernels for the given dtypes "
+                    "(or load them from the cache) so that the first call of a later process "
+                    "does not wait for Numba, e.g. in a container build step. Prints what it "
+                    "compiled and where the cache is.")
+    warmup.add_argument("--dtype", nargs="+", type=_dtype_name, default=["float32"],
+                        metavar="DTYPE",
+                        help=f"{', '.join(WARMUP_DTYPES)} or all (default: float32; bfloat16 "
+                             "needs ml_dtypes)")
+    warmup.set_defaults(handler=_warmup)
     return parser
 
 

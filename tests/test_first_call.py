@@ -6,6 +6,7 @@ environment (no LD_LIBRARY_PATH, no NUMBA_* settings), from a folder outside the
 
 import os
 import stat
+import subprocess
 import sys
 import threading
 
@@ -51,6 +52,24 @@ def test_first_parallel_call_in_this_interpreter_with_a_clean_environment(tmp_pa
     warm = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
     assert warm.returncode == 0 and "layer tbb" in warm.stdout, explain(warm)
     assert warm.stderr == "", explain(warm)
+
+
+def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
+    env = clean_env(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    warmup = subprocess.run([sys.executable, "-m", "cpuflash", "warmup"], env=env,
+                            cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
+    assert warmup.returncode == 0, explain(warmup)
+    assert "float32   attention" in warmup.stdout and "KV-cache decoding" in warmup.stdout
+    assert str(tmp_path / "cache") in warmup.stdout, explain(warmup)
+    assert notices(warmup.stderr) == [], "warmup says what it compiles itself"
+    later = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
+    assert later.returncode == 0 and later.stderr == "", explain(later)
+
+
+def test_warmup_names_the_dtypes_it_knows(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int8"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "expected one of float32" in done.stderr, explain(done)
 
 
 WITHOUT_TBB = """
