@@ -127,11 +127,12 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     """
     w = k_panels.shape[2]
     panels = (cols + w - 1) // w
-    panel = 0
-    while panel < panels:
+    full = rows - rows % ROWS
+    # (loops over ranges: a counter that starts as the constant 0 would first be typed as that
+    # constant, and every helper it is passed to compiled twice)
+    for panel in range(0, panels, 2 if WIDE else 1):
         pair = WIDE and panel + 1 < panels
-        r = 0
-        while r + ROWS <= rows:
+        for r in range(0, full, ROWS):
             first = _sees(panel, w, r, ROWS, lo_off, hi_off)
             second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
             if first and second:
@@ -139,12 +140,10 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
             elif first or second:
                 _qk_micro6(q_tile, r, k_panels, panel if first else panel + 1, scores,
                            mult)
-            r += ROWS
-        for r in range(r, rows):
+        for r in range(full, rows):
             for p in range(panel, panel + 2 if pair else panel + 1):
                 if _sees(p, w, r, 1, lo_off, hi_off):
                     _qk_micro1(q_tile, r, k_panels, p, scores, mult)
-        panel += 2 if pair else 1
 
 
 @jit
@@ -450,23 +449,20 @@ def pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off):
     keys some of its rows can see. P is exactly 0 elsewhere, so the sums are unchanged.
     """
     w = 2 * lanes(acc)
-    x0 = 0
-    while x0 < acc.shape[1]:
+    full = rows - rows % ROWS
+    for x0 in range(0, acc.shape[1], 2 * w if WIDE else w):  # (ranges: see `qk_tile`)
         wide = WIDE and x0 + w < acc.shape[1]
-        r = 0
-        while r + ROWS <= rows:
+        for r in range(0, full, ROWS):
             key0, key1 = max(0, r + lo_off), min(cols, r + ROWS + hi_off)
             if wide:
                 _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1)
             else:
                 _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1)
-            r += ROWS
-        for r in range(r, rows):
+        for r in range(full, rows):
             key0, key1 = max(0, r + lo_off), min(cols, r + 1 + hi_off)
             _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1)
             if wide:
                 _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, key0, key1)
-        x0 += 2 * w if wide else w
 
 
 @jit
