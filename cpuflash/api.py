@@ -168,7 +168,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         the caller advances it. Batch ``b`` attends to its first ``cache_seqlens[b] + Nnew`` keys.
     causal : bool
         Bottom-right aligned per batch entry: query ``i`` sees keys
-        ``j <= i + cache_seqlens[b] + Nnew - Nq``. True by default, as in flash-attn.
+        ``j <= i + cache_seqlens[b] + Nnew - Nq``. True by default, as decoding needs
+        (flash-attn's `flash_attn_with_kvcache` defaults to False).
     scale, window, softcap, alibi_slopes, sinks, layout : as in `attention`.
     block_table : (B, max_pages) int array, optional
         Paged cache: position ``p`` of batch ``b`` is row ``p % page_size`` of page

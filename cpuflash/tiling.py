@@ -28,7 +28,7 @@ KEY_PANEL = 32
 # a value row holding inf or NaN turns the whole group's output NaN (0 * inf); with groups at
 # fixed rows, that too is the same for every thread count.
 ROW_GROUP = 24
-# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, README "Tiles"): past
+# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md "Tiles"): past
 # 384 x 256 the speed is flat, while fewer, larger work items feed the threads worse.
 MAX_BLOCK_Q = 384
 MAX_BLOCK_K = 256

@@ -128,7 +128,10 @@ def tiny_kernel(monkeypatch):
     """A kernel whose compile always outlasts the notice delay, and a fresh notice state."""
     monkeypatch.setattr(_jit, "NOTICE_AFTER", 0.0)
     monkeypatch.setattr(_jit, "_noticed", threading.Event())
-    signature = lambda dtype: numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))  # noqa: E731
+
+    def signature(dtype):
+        return numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))
+
     return _jit.Kernel(_tiny, signature, "test", parallel=False)
 
 
