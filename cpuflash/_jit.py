@@ -118,6 +118,11 @@ if not CACHING:
 
 OPTIONS = dict(cache=CACHING, nogil=True, error_model="numpy", boundscheck=False,
                fastmath=FASTMATH)
+# Helpers and overloads are only called from compiled code: no wrappers for Python callers (a
+# helper's wrappers cost about as much to compile as a small helper)
+_NO_WRAPPERS = dict(no_cpython_wrapper=True, no_cfunc_wrapper=True)
+HELPER_OPTIONS = dict(OPTIONS, **_NO_WRAPPERS)
+STRICT_OPTIONS = dict(cache=CACHING, **_NO_WRAPPERS)  # no fastmath flags (IEEE conversions)
 
 
 class _PackageCacheLocator(caching.InTreeCacheLocator):
@@ -172,7 +177,7 @@ if _PackageCacheLocator not in _impl._locator_classes:
 
 def jit(func):
     """`numba.njit` with the project's options, for helpers called from kernels."""
-    return numba.njit(**OPTIONS)(func)
+    return numba.njit(**HELPER_OPTIONS)(func)
 
 
 def array(dtype, ndim, readonly=False):

@@ -15,7 +15,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .. import _simd
-from .._jit import CACHING, OPTIONS, jit
+from .._jit import STRICT_OPTIONS, HELPER_OPTIONS, jit
 
 FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
 
@@ -78,7 +78,7 @@ def narrow(value, like, kind):
     rounded to nearest even."""
 
 
-@overload(widen, jit_options={"cache": CACHING})
+@overload(widen, jit_options=STRICT_OPTIONS)
 def _widen(x, kind):
     if isinstance(x, types.Float):
         return lambda x, kind: x
@@ -90,7 +90,7 @@ def _widen(x, kind):
         return impl
 
 
-@overload(narrow, jit_options={"cache": CACHING})
+@overload(narrow, jit_options=STRICT_OPTIONS)
 def _narrow(value, like, kind):
     if isinstance(like, types.DType):
         like = like.dtype
@@ -129,7 +129,7 @@ def like_dtype(value, arr):
     """The number `value` as a scalar of `arr`'s dtype (rounded once, like every element)."""
 
 
-@overload(like_dtype, jit_options=OPTIONS)
+@overload(like_dtype, jit_options=HELPER_OPTIONS)
 def _like_dtype(value, arr):
     dtype = arr.dtype
     return lambda value, arr: dtype(value)
@@ -146,7 +146,7 @@ def load_widened(arr, i, half):
     to float32."""
 
 
-@overload(load_widened, jit_options=OPTIONS)
+@overload(load_widened, jit_options=HELPER_OPTIONS)
 def _load_widened(arr, i, half):
     if isinstance(arr.dtype, types.Float):
         return lambda arr, i, half: _simd.vload(arr, i)
@@ -160,7 +160,7 @@ def load_block(arr, i, stride, half):
     """`_simd.vload_rows(arr, i, stride)`, half-precision bits widened as `load_widened` does."""
 
 
-@overload(load_block, jit_options=OPTIONS)
+@overload(load_block, jit_options=HELPER_OPTIONS)
 def _load_block(arr, i, stride, half):
     if isinstance(arr.dtype, types.Float):
         return lambda arr, i, stride, half: _simd.vload_rows(arr, i, stride)
@@ -177,7 +177,7 @@ def store_narrowed(arr, i, vec, half):
     rounds."""
 
 
-@overload(store_narrowed, jit_options=OPTIONS)
+@overload(store_narrowed, jit_options=HELPER_OPTIONS)
 def _store_narrowed(arr, i, vec, half):
     if isinstance(arr.dtype, types.Float):
         return lambda arr, i, vec, half: _simd.vstore(arr, i, vec)

@@ -26,7 +26,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .. import _simd
-from .._jit import CACHING, OPTIONS, jit
+from .._jit import STRICT_OPTIONS, HELPER_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
     vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
@@ -46,7 +46,7 @@ def lanes(arr):
     return _simd.lanes_for(arr.dtype)
 
 
-@overload(lanes, jit_options={"cache": CACHING})
+@overload(lanes, jit_options=STRICT_OPTIONS)
 def _lanes(arr):
     n = _simd.lanes_for(as_dtype(arr.dtype))
     return lambda arr: n
@@ -288,7 +288,7 @@ def softcap_tile(scores, rows, cols, cap, lo_off, hi_off):
     """s = cap * tanh(s) over each row's span, on scores already divided by the softcap."""
 
 
-@overload(softcap_tile, jit_options=OPTIONS)
+@overload(softcap_tile, jit_options=HELPER_OPTIONS)
 def _softcap_tile(scores, rows, cols, cap, lo_off, hi_off):
     if scores.dtype == types.float32:  # vectorized tanh; the padding past `cols` is harmless
         def vector_softcap(scores, rows, cols, cap, lo_off, hi_off):

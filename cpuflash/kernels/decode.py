@@ -30,7 +30,7 @@ from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import CACHING, Kernel, array, jit
+from .._jit import STRICT_OPTIONS, Kernel, array, jit
 from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
@@ -49,7 +49,7 @@ def line_elements(arr):
     return CACHE_LINE // arr.itemsize
 
 
-@overload(line_elements, jit_options={"cache": CACHING})
+@overload(line_elements, jit_options=STRICT_OPTIONS)
 def _line_elements(arr):
     n = CACHE_LINE // as_dtype(arr.dtype).itemsize
     return lambda arr: n
