@@ -3,8 +3,10 @@
 Nothing here asserts a timing: speed is measured in ``bench/`` and by ``python -m cpuflash bench``.
 """
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +14,9 @@ import numpy as np
 import pytest
 
 from cpuflash import benchmark
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def brute_force_pairs(n_q, n_k, causal=False, window=None):
@@ -122,11 +127,14 @@ def test_measure_reports_every_implementation():
     record = benchmark.measure(case, ["cpuflash", "naive", "torch"], repeats=1)
     assert record["flops"] == benchmark.case_flops(case)
     assert list(record["results"]) == ["cpuflash", "naive", "torch"]
-    for result in record["results"].values():
-        assert result["status"] in ("ok", "skipped")
+    expected = {"cpuflash": "ok", "naive": "ok", "torch": "ok" if HAS_TORCH else "skipped"}
+    for name, result in record["results"].items():
+        assert result["status"] == expected[name], (name, result)
         if result["status"] == "ok":
             assert result["seconds"] > 0 and result["gflops"] > 0
             assert result["max_error"] <= result["error_limit"]
+        else:
+            assert result["reason"] == "torch is not installed"
 
 
 def fake_report():
@@ -178,6 +186,122 @@ def test_markdown_table_from_a_fake_report():
     text.encode("ascii")
 
 
+def test_a_ceiling_below_a_competitor_is_reported_unreliable_without_a_share():
+    """A busy moment while sgemm ran once printed "141% of sgemm": no share above 100% may be
+    printed as if it were measured."""
+    report = fake_report()
+    report["sgemm"]["gflops"] = 190.0  # below cpuflash's 200 and 210
+    usable, note = benchmark.sgemm_ceiling(report)
+    assert usable is None
+    assert note.startswith("cpuflash reached 210.0 GFLOP/s on B1 H8 N2048 D128, more than sgemm")
+    text = benchmark.markdown_table(report)
+    lines = text.splitlines()
+    assert lines[0] == "| case | cpuflash GFLOP/s | torch GFLOP/s | fa1 GFLOP/s | cpuflash/torch |"
+    assert lines[2] == "| B1 H8 N1024 D128 | 200.0 | 160.0 | 100.0 | 1.25x |"
+    assert "% of sgemm |" not in text and not re.search(r"\d%", text)
+    assert "The sgemm ceiling is unreliable: cpuflash reached 210.0 GFLOP/s" in text
+    assert "machine was busy while sgemm was measured" in text
+    report["sgemm"]["openblas_coretype"] = "Haswell"  # as run() records the environment
+    assert "slow on this CPU, OPENBLAS_CORETYPE=Haswell is set)" in benchmark.sgemm_ceiling(
+        report)[1]
+    # any competitor above it makes it no ceiling, not only cpuflash
+    report = fake_report()
+    report["cases"][0]["results"]["fa1"]["gflops"] = 260.0
+    assert benchmark.sgemm_ceiling(report)[0] is None
+    assert "fa1 reached 260.0 GFLOP/s" in benchmark.markdown_table(report)
+    # equal is still a ceiling
+    report = fake_report()
+    report["sgemm"]["gflops"] = 210.0
+    assert benchmark.sgemm_ceiling(report) == (report["sgemm"], None)
+    assert "| 100% |" in benchmark.markdown_table(report)
+
+
+class FakeTiming:
+    """Stands in for `benchmark._settled_sample`: no call is timed, each sample takes what a
+    machine doing `idle_gflops` would, `busy_factor` times longer while `busy(role, case)`."""
+
+    def __init__(self, monkeypatch, busy, idle_gflops, busy_factor=4.0):
+        self.busy, self.idle_gflops, self.busy_factor = busy, idle_gflops, busy_factor
+        self.case, self.log, self.ceilings = None, [], []
+        real_prepare, real_ceiling = benchmark.prepare, benchmark.SgemmCeiling
+        timing = self
+
+        def tagged_prepare(name, q, k, v, case):
+            fn = real_prepare(name, q, k, v, case)
+
+            def call():
+                return fn()
+
+            call.tag = (name, benchmark.case_flops(case))
+            timing.case = benchmark.case_label(case)
+            return call
+
+        class RecordedCeiling(real_ceiling):
+            def __init__(self, size):
+                super().__init__(size)
+                timing.ceilings.append(self)
+
+        monkeypatch.setattr(benchmark, "prepare", tagged_prepare)
+        monkeypatch.setattr(benchmark, "SgemmCeiling", RecordedCeiling)
+        monkeypatch.setattr(benchmark, "_settled_sample", self.sample)
+
+    def sample(self, fn, number, call_seconds):
+        if hasattr(fn, "tag"):
+            role, work = fn.tag
+        else:
+            role, work = "sgemm", 2 * self.ceilings[-1].size ** 3
+        self.log.append((role, self.case))
+        slow = self.busy_factor if self.busy(role, self.case) else 1.0
+        return slow * work / (self.idle_gflops[role] * 1e9)
+
+
+RUN_CASES = [{"B": 1, "Hq": 2, "Hk": 1, "Nq": 16, "Nk": 24, "D": 8, "causal": False},
+             {"B": 1, "Hq": 2, "Hk": 1, "Nq": 16, "Nk": 24, "D": 8, "causal": True}]
+IDLE = {"cpuflash": 80.0, "naive": 10.0, "sgemm": 100.0}
+
+
+def test_run_samples_the_ceiling_between_the_rounds(monkeypatch):
+    """A neighbour's burst during the first case and the sgemm before it: the ceiling's samples
+    between the later rounds still find the machine idle (sampled once before the cases, as
+    before, it came out at a quarter and cpuflash at 320% of it)."""
+    first = benchmark.case_label(RUN_CASES[0])
+    timing = FakeTiming(monkeypatch, lambda role, case: case in (None, first), IDLE)
+    steps = []
+    report = benchmark.run(RUN_CASES, ["cpuflash", "naive"], repeats=3, sgemm_size=16,
+                           progress=steps.append)
+    assert steps[-1] is None and len(steps) - 1 == benchmark.run_steps(RUN_CASES)
+    candidates = len(timing.ceilings[0].candidates)
+    # each candidate once before the cases; then every round of every case ends with sgemm
+    assert [role for role, _ in timing.log[:candidates]] == ["sgemm"] * candidates
+    for case in RUN_CASES:
+        roles = [role for role, label in timing.log[candidates:]
+                 if label == benchmark.case_label(case)]
+        assert roles[:2] == ["cpuflash", "naive"]  # the untimed first calls
+        assert roles[2:] == ["cpuflash", "naive", "sgemm"] * 3
+    sgemm = report["sgemm"]
+    assert sgemm["gflops"] == pytest.approx(100.0)
+    assert sgemm["reliable"] is True and sgemm["note"] is None
+    assert len(sgemm["gflops_runs"]) == (candidates + 2 * 3) // candidates  # taken in turn
+    assert min(sgemm["gflops_runs"]) == pytest.approx(25.0)  # the busy ones are in there
+    slowed, idle = (record["results"]["cpuflash"]["gflops"] for record in report["cases"])
+    assert (slowed, idle) == (pytest.approx(20.0), pytest.approx(80.0))
+    text = benchmark.markdown_table(report)
+    assert "| 20% |" in text and "| 80% |" in text
+
+
+def test_run_reports_a_ceiling_that_was_always_measured_busy(monkeypatch):
+    """When every sgemm sample is slowed down and the competitors are not, the ceiling comes
+    out below cpuflash: the report says so, and gives no share."""
+    FakeTiming(monkeypatch, lambda role, case: role == "sgemm", IDLE)
+    report = benchmark.run(RUN_CASES, ["cpuflash", "naive"], repeats=2, sgemm_size=16)
+    assert report["sgemm"]["gflops"] == pytest.approx(25.0)
+    assert report["sgemm"]["reliable"] is False
+    assert "cpuflash reached 80.0 GFLOP/s" in report["sgemm"]["note"]
+    text = benchmark.markdown_table(report)
+    assert "% of sgemm |" not in text and not re.search(r"\d%", text)
+    assert "The sgemm ceiling is unreliable" in text
+
+
 def test_json_and_markdown_files(tmp_path):
     report = fake_report()
     report["cases"][0]["results"]["cpuflash"]["max_error"] = float("inf")
@@ -191,12 +315,14 @@ def test_json_and_markdown_files(tmp_path):
     assert "| B1 H8 N1024 D128 | 200.0 |" in (tmp_path / "bench.md").read_text()
 
 
-def test_plot_is_written_or_skipped_with_a_reason(tmp_path):
+def test_plot_is_written_exactly_when_matplotlib_is_there(tmp_path):
     written, message = benchmark.write_plot(fake_report(), tmp_path / "bench.png")
-    if written:
+    assert written == HAS_MATPLOTLIB, message
+    if HAS_MATPLOTLIB:
         assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
-        assert "matplotlib" in message and not (tmp_path / "bench.png").exists()
+        assert "matplotlib is not installed" in message
+        assert not (tmp_path / "bench.png").exists()
 
 
 def test_machine_record_is_json_ready():
@@ -265,7 +391,9 @@ def test_cli_bench_quick_end_to_end(tmp_path):
     for record in report["cases"]:
         assert record["results"]["cpuflash"]["status"] == "ok"
     assert (tmp_path / "bench.md").exists()
-    assert (tmp_path / "bench.png").exists() or "plot skipped" in done.stdout
+    assert (tmp_path / "bench.png").exists() == HAS_MATPLOTLIB
+    assert ("plot skipped" in done.stdout) != HAS_MATPLOTLIB
+    assert not re.search(r"\b(1\d\d|[2-9]\d\d)%", done.stdout), "a share of sgemm above 100%"
 
 
 def test_cli_rejects_bad_arguments():
