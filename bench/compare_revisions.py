@@ -11,9 +11,8 @@ revision is checked against the first one's output before timing. Prints ns per 
 query-key pair (summed over heads) and each case's time against the last revision's. On a
 shared machine this is the fair way to tell whether a change is faster: the revisions meet the
 same noise, round after round. Name the base revision twice (``HEAD HEAD WORKTREE``) for a
-control: two copies of the same code can differ by a few percent (by up to 3% decoding from
-memory and 8% decoding from L3 on one thread, 2026-11-30), so a gain smaller than the copies'
-difference is not one.
+control: two copies of the same code can differ by a few percent (docs/performance.md), so a
+gain smaller than the copies' difference is not one.
 """
 
 import argparse
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cpuflash import benchmark as runner
+import runner  # bench/runner.py
 
 REPO = Path(__file__).resolve().parent.parent
 HEADS, HEAD_DIM = 8, 128

@@ -5,8 +5,9 @@ Run ``python -m pytest bench`` for measurements (see pytest-benchmark's options,
 --benchmark-disable`` is a quick smoke run on toy shapes, for CI. Each result carries its FLOP
 count and GFLOP/s (from the best round) in ``extra_info``.
 
-The FLOP counting, the inputs and the competing implementations come from `cpuflash.benchmark`,
-so this suite and ``python -m cpuflash bench`` measure the same things the same way.
+The FLOP counting, the inputs and the competing implementations come from `runner`
+(``bench/runner.py``), so this suite and ``python -m cpuflash bench`` measure the same things the
+same way.
 """
 
 import os
@@ -15,7 +16,8 @@ import numba
 import pytest
 
 import cpuflash
-from cpuflash import benchmark as runner
+
+import runner  # bench/runner.py
 
 # Toy shapes instead of the real ones: CI checks that the suite runs, not how fast.
 SMALL = os.environ.get("CPUFLASH_BENCH_SMALL") == "1"

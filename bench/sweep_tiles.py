@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 import cpuflash
-from cpuflash.benchmark import flops
+
+from runner import flops  # bench/runner.py
 
 BLOCK_Q = (32, 64, 96, 128, 192, 256, 384)
 BLOCK_K = (32, 64, 96, 128, 192, 256)

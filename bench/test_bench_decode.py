@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash import benchmark as runner
 from cpuflash.reference import attention_reference
+
+import runner  # bench/runner.py
 
 SMALL = os.environ.get("CPUFLASH_BENCH_SMALL") == "1"
 N_KEYS = 1024 if SMALL else 16384
@@ -84,7 +85,7 @@ def implementations(q, k_cache, v_cache, halves=False):
 
 
 def _timed(call):
-    """Seconds of one call in steady state, best of three, after `cpuflash.benchmark.settle`
+    """Seconds of one call in steady state, best of three, after `runner.settle`
     (a pause for other libraries' spinning threads, then untimed calls while the cores clock
     up and this library's threads wake)."""
     runner.settle(call)

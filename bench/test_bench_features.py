@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash import benchmark as runner
+
+import runner  # bench/runner.py
 
 # Toy shapes for a CI smoke run. Read here, not imported from conftest: tests/ has a conftest
 # module of the same name.

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 import cpuflash
-from cpuflash import benchmark as runner
 from cpuflash._simd import LANES_F32
+
+import runner  # bench/runner.py
 
 CASES = [(1, 8, 2048, 64, False), (1, 8, 4096, 128, False), (1, 8, 4096, 128, True)]
 

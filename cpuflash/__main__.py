@@ -8,7 +8,7 @@ Usage
 ``python -m cpuflash bench [--quick] [--out DIR] [--repeats N]``
     Compare cpuflash with torch SDPA, FlashAttention-1 and naive numpy, side by side in one
     process; print a markdown table and write ``bench.json``, ``bench.md`` and ``bench.png``
-    to ``DIR``. See `cpuflash.benchmark`.
+    to ``DIR``. Needs a source checkout: the runner is the repository's ``bench/runner.py``.
 ``python -m cpuflash warmup [--dtype DTYPE ...]``
     Compile and cache the kernels ahead of the first call; print what and where.
 """
@@ -111,60 +111,39 @@ def _info(arguments):
     return 0
 
 
-def _progress_reporter(total):
-    """A callback for `cpuflash.benchmark.run`: a tqdm bar, or one line per step without tqdm."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
+# The benchmark tooling lives in the repository, next to the package, not inside it.
+BENCH_FOLDER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
-    if tqdm is not None:
-        bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, ascii=True)
 
-        def advance_bar(what):
-            if advance_bar.started:
-                bar.update(1)
-            advance_bar.started = True
-            if what is None:
-                bar.close()
-            else:
-                bar.set_postfix_str(what)
+def bench_runner():
+    """The benchmark runner, ``bench/runner.py`` of the repository cpuflash runs from.
 
-        advance_bar.started = False
-        return advance_bar
+    Returns the module (imported as ``runner``, with `BENCH_FOLDER` on ``sys.path``, as the
+    scripts and pytest files in that folder import it), or None when cpuflash was installed
+    without its repository.
+    """
+    path = os.path.join(BENCH_FOLDER, "runner.py")
+    if not os.path.isfile(path):
+        return None
+    if BENCH_FOLDER not in sys.path:
+        sys.path.insert(0, BENCH_FOLDER)
+    import runner
 
-    done = [0]
-
-    def print_line(what):
-        if what is not None:
-            done[0] += 1
-            print(f"[{done[0]}/{total}] {what}", file=sys.stderr, flush=True)
-
-    return print_line
+    if os.path.realpath(runner.__file__) != os.path.realpath(path):
+        raise ImportError(f"a module `runner` from {runner.__file__} was imported before "
+                          f"the benchmark runner {path}")
+    return runner
 
 
 def _bench(arguments):
-    from cpuflash import benchmark
-
-    case_list = benchmark.cases(quick=arguments.quick)
-    repeats = arguments.repeats or (3 if arguments.quick else 5)
-    report = benchmark.run(case_list, benchmark.IMPLEMENTATIONS, repeats,
-                           progress=_progress_reporter(benchmark.run_steps(case_list)))
-    report["command"] = "python -m cpuflash " + " ".join(sys.argv[1:])
-
-    os.makedirs(arguments.out, exist_ok=True)
-    print(benchmark.markdown_table(report))
-    benchmark.write_json(report, os.path.join(arguments.out, "bench.json"))
-    benchmark.write_markdown(report, os.path.join(arguments.out, "bench.md"))
-    _, plot_message = benchmark.write_plot(report, os.path.join(arguments.out, "bench.png"))
-    print(f"wrote {os.path.join(arguments.out, 'bench.json')} and bench.md; {plot_message}")
-    failed = [(record["label"], name, result) for record in report["cases"]
-              for name, result in record["results"].items()
-              if result["status"] in ("wrong", "error")]
-    for label, name, result in failed:
-        print(f"error: {name} on {label}: {result['status']}, {result['reason']}",
-              file=sys.stderr)
-    return 1 if failed else 0
+    runner = bench_runner()
+    if runner is None:
+        print("python -m cpuflash bench: error: the benchmark lives in the bench/ folder of "
+              "cpuflash's repository, which this installation lacks; run it from a clone "
+              "(pip install -e <clone>)", file=sys.stderr)
+        return 2
+    return runner.command(quick=arguments.quick, out=arguments.out, repeats=arguments.repeats,
+                          command_line="python -m cpuflash " + " ".join(sys.argv[1:]))
 
 
 WARMUP_DTYPES = ("float32", "float64", "float16", "bfloat16")

@@ -1,8 +1,11 @@
 """Side-by-side speed comparison of cpuflash and its competitors.
 
-This is the runner behind ``python -m cpuflash bench`` and the helpers the pytest-benchmark
-suite in ``bench/`` shares (FLOP counting, input making, the competing implementations), so
-both count the same work and call the competitors the same way.
+This is the runner behind ``python -m cpuflash bench`` (which finds it in the repository's
+``bench/`` folder: the benchmark tooling is not part of the installed package) and the helpers
+that the pytest-benchmark suite and the scripts beside it share (FLOP counting, input making,
+the competing implementations), so all of them count the same work and call the competitors the
+same way. They import it as ``runner``: ``bench/`` is on ``sys.path`` for a script run from it
+and for pytest's files in it.
 
 How a case is measured (`measure`), following what makes numbers on a shared, noisy machine
 comparable:
@@ -33,6 +36,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import numpy as np
@@ -45,7 +49,7 @@ __all__ = [
     "random_inputs", "skip_reason", "prepare", "reference_heads", "compare_with_references",
     "check_against_reference", "measure", "SgemmCeiling", "sgemm_ceiling",
     "measure_sgemm", "match_torch_threads", "run", "run_steps", "markdown_table", "write_markdown",
-    "write_json", "write_plot", "machine_record",
+    "write_json", "write_plot", "machine_record", "command",
 ]
 
 GiB = 1024 ** 3
@@ -54,7 +58,7 @@ GiB = 1024 ** 3
 IMPLEMENTATIONS = ("cpuflash", "torch", "fa1", "naive")
 
 # naive_attention materializes the float32 scores of every head at once; past this it would
-# compete with the other engineer's work for memory (or swap) rather than measure anything.
+# compete with whatever else runs for memory (or swap) rather than measure anything.
 NAIVE_SCORES_LIMIT_BYTES = 2 * GiB
 
 # A timed sample shorter than this is dominated by timer and dispatch noise, so tiny cases
@@ -64,17 +68,16 @@ MIN_SAMPLE_SECONDS = 0.02
 # The competitors bring three thread pools (Numba's, torch's OpenMP, numpy's OpenBLAS), and
 # each keeps its threads spinning for a while after a call (OpenBLAS for up to ~0.1 s). With as
 # many threads as cores, the spinning threads of the previous implementation steal cores from
-# the next one, which then waits on descheduled threads at every barrier: on 2 cores this was
-# seen to slow a small call down 10-100x. So each timed sample starts after a pause that
-# outlasts the spinning. After the pause the cores have clocked down and the pool is asleep, so
-# a call that is cheap is then called untimed for `WARM_SECONDS` (what a user's loop of calls
-# sees; one untimed call was not enough: an MQA decode took 0.38 ms back to back, 0.65-0.9 ms
-# right after the pause and one call).
+# the next one, which then waits on descheduled threads at every barrier (a small call slows
+# down 10-100x on 2 cores). So each timed sample starts after a pause that outlasts the
+# spinning. After the pause the cores have clocked down and the pool is asleep, so a call that
+# is cheap is then called untimed for `WARM_SECONDS`, long enough to bring both back to what a
+# user's loop of calls sees (a single untimed call is not: a small decode still runs 2x slower).
 SETTLE_SECONDS = 0.15
 CHEAP_CALL_SECONDS = 0.05
 WARM_SECONDS = 0.03
 
-# The matmul size of the sgemm ceiling (PERFORMANCE.md quotes MKL at 4096^3).
+# The matmul size of the sgemm ceiling: large enough for any BLAS to reach its peak.
 SGEMM_SIZE = 4096
 
 _CASE_KEYS = ("B", "Hq", "Hk", "Nq", "Nk", "D", "causal")
@@ -555,7 +558,7 @@ def sgemm_ceiling(report):
     -----
     Attention's FLOPs are matmul FLOPs, so no competitor can really beat a good sgemm; one that
     does means the ceiling came out low, because the machine was busy whenever sgemm was
-    sampled, or because this BLAS is slow on this CPU. Printing such a share (141% was seen)
+    sampled, or because this BLAS is slow on this CPU. Printing such a share (above 100%)
     or capping it at 100% would both show a number that was not measured; taking the CPU's FMA
     peak instead would need its clock under load and its FMA units, which Python cannot read
     reliably (turbo, AVX-512 clocks, double-pumped units). So the ceiling is reported as
@@ -652,8 +655,8 @@ def run(case_list, implementations=IMPLEMENTATIONS, repeats=5, *, sgemm_size=SGE
     report = machine_record()
     report.update(implementations=list(implementations), repeats=int(repeats), cases=[])
     # The ceiling is sampled after every round of every case, so a neighbour's burst that slows
-    # the competitors down slows some of its samples down too; measured once, a busy moment
-    # made it come out below cpuflash ("141% of sgemm").
+    # the competitors down slows some of its samples down too, and its best sample is taken
+    # while the machine is as quiet as the competitors' best rounds were.
     step("sgemm ceiling")
     ceiling = SgemmCeiling(sgemm_size)
     for _ in ceiling.candidates:
@@ -820,3 +823,64 @@ def write_plot(report, path):
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return True, f"wrote {path}"
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def _progress_reporter(total):
+    """A callback for `run`: a tqdm bar, or one line per step without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    if tqdm is not None:
+        bar = tqdm(total=total, desc="bench", unit="step", file=sys.stderr, ascii=True)
+
+        def advance_bar(what):
+            if advance_bar.started:
+                bar.update(1)
+            advance_bar.started = True
+            if what is None:
+                bar.close()
+            else:
+                bar.set_postfix_str(what)
+
+        advance_bar.started = False
+        return advance_bar
+
+    done = [0]
+
+    def print_line(what):
+        if what is not None:
+            done[0] += 1
+            print(f"[{done[0]}/{total}] {what}", file=sys.stderr, flush=True)
+
+    return print_line
+
+
+def command(quick=False, out="cpuflash-bench", repeats=None, command_line=None):
+    """``python -m cpuflash bench``: measure, print the table, write the report to `out`.
+
+    Returns the exit status: 1 when an implementation gave a wrong result or raised, else 0.
+    """
+    case_list = cases(quick=quick)
+    repeats = repeats or (3 if quick else 5)
+    report = run(case_list, IMPLEMENTATIONS, repeats,
+                 progress=_progress_reporter(run_steps(case_list)))
+    if command_line is not None:
+        report["command"] = command_line
+
+    os.makedirs(out, exist_ok=True)
+    print(markdown_table(report))
+    write_json(report, os.path.join(out, "bench.json"))
+    write_markdown(report, os.path.join(out, "bench.md"))
+    _, plot_message = write_plot(report, os.path.join(out, "bench.png"))
+    print(f"wrote {os.path.join(out, 'bench.json')} and bench.md; {plot_message}")
+    failed = [(record["label"], name, result) for record in report["cases"]
+              for name, result in record["results"].items()
+              if result["status"] in ("wrong", "error")]
+    for label, name, result in failed:
+        print(f"error: {name} on {label}: {result['status']}, {result['reason']}",
+              file=sys.stderr)
+    return 1 if failed else 0
