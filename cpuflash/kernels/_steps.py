@@ -446,7 +446,8 @@ def pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off):
     (four where the CPU has 32 vector registers).
 
     Row r sees columns r + lo_off .. r + hi_off (see `qk_tile`): a row group sums only over the
-    keys some of its rows can see. P is exactly 0 elsewhere, so the sums are unchanged.
+    keys some of its rows can see. P is exactly 0 elsewhere, so the sums are unchanged, unless
+    a value there is inf or NaN (0 * inf is NaN): such blocks go to `pv_tile_exact`.
     """
     w = 2 * lanes(acc)
     full = rows - rows % ROWS
@@ -541,6 +542,41 @@ def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
         a0 = vfma(s, vload(v_tile, c * dvp + x0), a0)
         a1 = vfma(s, vload(v_tile, c * dvp + x0 + n), a1)
     _rescale_add(acc, o, alpha[r], a0, a1)
+
+
+@jit
+def pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, mask, mask_at):
+    """`pv_tile` row by row over only the keys each row sees: its band, and where `mask` has
+    entries, those of ``mask[bb, h, q0 + r, kb + c]`` with ``mask_at = (bb, h, q0, kb)``.
+
+    For a key block where a value row that some row cannot see is inf or NaN: `pv_tile` would
+    give that row 0 * inf = NaN. With finite values the sums are `pv_tile`'s (the same terms in
+    the same order, less terms of probability 0), so the bits are the same.
+    """
+    n = lanes(acc)
+    dvp, sw = acc.shape[1], scores.shape[1]
+    bb, h, q0, kb = mask_at
+    masked = mask.shape[0] > 0
+    for r in range(rows):
+        key0, key1 = max(0, r + lo_off), min(cols, r + 1 + hi_off)
+        for x in range(0, dvp, n):
+            total = vzeros(acc)
+            for c in range(key0, key1):
+                if not masked or mask[bb, h, q0 + r, kb + c]:
+                    total = vfma(vbroadcast(scores, r * sw + c), vload(v_tile, c * dvp + x),
+                                 total)
+            rescale_add(acc, r * dvp + x, alpha[r], total)
+
+
+@jit
+def finite_rows(tile, first, end):
+    """Whether rows first .. end - 1 of `tile` (whole vectors) hold only finite numbers: x - x
+    is 0 for those and NaN for inf and NaN."""
+    total = vzeros(tile)
+    for o in range(first * tile.shape[1], end * tile.shape[1], lanes(tile)):
+        x = vload(tile, o)
+        total = vadd(total, vsub(x, x))
+    return vhsum(total) == 0
 
 
 @jit

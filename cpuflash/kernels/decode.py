@@ -31,7 +31,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .._jit import STRICT_OPTIONS, Kernel, array, jit
-from .._simd import prefetch, vbroadcast, vfma, vhsum, vload, vstore_hsums, vzeros
+from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
@@ -143,13 +143,14 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
+            band = (n_q, shift - kb, left, right) if not inside else (n_q, 0, -1, -1)
             if direct:
                 _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
-                         rows, half, k_cache, next_cols, next_starts, n_next, k_step)
+                         rows, half, k_cache, next_cols, next_starts, n_next, k_step, band)
             else:
                 _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half)
                 _pv_rows(scores, v_tile, run_cols, v_starts, n_runs, v_step, v_tile.shape[1],
-                         acc, alpha, rows, half, k_cache, next_cols, next_starts, 0, k_step)
+                         acc, alpha, rows, half, k_cache, next_cols, next_starts, 0, k_step, band)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -475,9 +476,14 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
 
 @jit
 def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half,
-             later, later_cols, later_starts, n_later, later_step):
+             later, later_cols, later_starts, n_later, later_step, band):
     """acc = alpha * acc + P V over the value rows given as runs (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
+
+    `band` = (n_q, offset, left, right): row r sees block columns from its diagonal
+    r % n_q + offset - left to + right (-1: unbounded). Where some row cannot see every key
+    and a value row is inf or NaN, the rows go one by one over what each sees
+    (`_pv_rows_seen`): the group sums would give that row 0 * inf = NaN.
 
     Each query row's block sum starts from zero in registers, adds the value rows in order and
     joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
@@ -488,6 +494,11 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
     runs (the next block's key rows; see `_dot_rows`).
     """
     n = _steps.lanes(acc)
+    if ((band[2] >= 0 or band[3] >= 0)
+            and not _finite_runs(values, run_cols, starts, n_runs, step, width, half, acc)):
+        _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows,
+                      half, band)
+        return
     if width == 8 * n and rows <= 4 and half == 0:  # as in `_dot_rows`
         for r in range(0, rows, 2):
             _pv_pair(scores, r, min(2, rows - r), values, run_cols, starts, n_runs, step, acc,
@@ -504,6 +515,44 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
         for x in range(x, width, n):
             _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
                          alpha, half)
+
+
+@jit
+def _finite_runs(values, run_cols, starts, n_runs, step, width, half, like):
+    """Whether the value rows given as runs hold only finite numbers in their first `width`
+    elements (x - x is 0 for those, NaN for inf and NaN)."""
+    total = vzeros(like)
+    for i in range(n_runs):
+        o = starts[i]
+        for c in range(run_cols[i], run_cols[i + 1]):
+            for x in range(0, width, _steps.lanes(like)):
+                v = load_widened(values, o + x, half)
+                total = vadd(total, vsub(v, v))
+            o += step
+    return vhsum(total) == 0
+
+
+@jit
+def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half,
+                  band):
+    """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
+    in the same order for finite values, less the terms of the keys it cannot see."""
+    n, sw = _steps.lanes(acc), scores.shape[1]
+    n_q, offset, left, right = band
+    for r in range(rows):
+        diag = r % n_q + offset
+        first = diag - left if left >= 0 else -_steps.UNBOUNDED
+        last = diag + right if right >= 0 else _steps.UNBOUNDED
+        for x in range(0, width, n):
+            total = vzeros(acc)
+            for i in range(n_runs):
+                o = starts[i] + x
+                for c in range(run_cols[i], run_cols[i + 1]):
+                    if first <= c <= last:
+                        total = vfma(vbroadcast(scores, r * sw + c),
+                                     load_widened(values, o, half), total)
+                    o += step
+            _steps.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
 
 
 @jit

@@ -110,8 +110,14 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo, hi)
 
-                # -- acc = alpha * acc + P V
-                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo, hi)
+                # -- acc = alpha * acc + P V; where some row cannot see every key and a value
+                # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
+                if ((inside and not has_mask) or end <= first
+                        or _steps.finite_rows(v_tile, first, end)):
+                    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo, hi)
+                else:
+                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo, hi, mask,
+                                         (mask_map[seq], h, q0, kb))
 
             # -- normalize once, write each output row once
             sink = sinks[h] if has_sinks else -np.inf
