@@ -78,12 +78,28 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softc
     if sinks is not None:
         row_sum = row_sum + np.exp(sink - shift)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.matmul(p, v) / row_sum
+        out = _visible_sum(p, v, visible) / row_sum
         lse = (shift + np.log(row_sum))[..., 0]
     out = np.where(row_sum == 0, 0, out).astype(dtype)
     if layout == "bshd":
         out = np.swapaxes(out, 1, 2)
     return (out, lse.astype(dtype)) if return_lse else out
+
+
+def _visible_sum(p, v, visible):
+    """``sum_j p_ij v_j`` over the keys j that row i sees: a value row it cannot see adds
+    nothing, even inf or NaN (``p @ v`` would add 0 * inf = NaN)."""
+    finite = np.isfinite(v)
+    out = np.matmul(p, np.where(finite, v, 0))
+    if finite.all():
+        return out
+    seen = np.broadcast_to(visible, p.shape)
+    not_finite = np.where(finite, 0, v)
+    leading = tuple(range(v.ndim - 2)) + (v.ndim - 1,)
+    for j in np.flatnonzero(~finite.all(axis=leading)):  # the keys with an inf or NaN value
+        term = p[..., :, j, None] * not_finite[..., None, j, :]
+        out = out + np.where(seen[..., :, j, None], term, 0)
+    return out
 
 
 def naive_attention(q, k, v, *, causal=False, scale=None):
@@ -120,7 +136,7 @@ def attention_fa1(q, k, v, *, causal=False, scale=None, tiles=None):
     from .tiling import choose_tiles
 
     call = _validate.attention_args(q, k, v, causal=causal, scale=scale, tiles=tiles)
-    if call.half_kind:
+    if call.half_kind != _validate.NATIVE:
         raise TypeError(f"attention_fa1 takes float32 or float64, got {call.dtype}")
     tiles = call.tiles or choose_tiles(call.head_dim, call.compute_dtype)
     if call.n_q and call.n_k == 0:
@@ -128,5 +144,5 @@ def attention_fa1(q, k, v, *, causal=False, scale=None, tiles=None):
         return call.result(return_lse=False)
     kernel = fa1_forward.specialize(call.compute_dtype)
     kernel(call.q, call.k, call.v, call.out_kernel, call.lse, call.qk_scale, call.causal,
-                tiles.block_q, tiles.block_k)
+           tiles.block_q, tiles.block_k)
     return call.result(return_lse=False)
