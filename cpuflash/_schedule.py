@@ -10,34 +10,38 @@ thread count.
 
 import numpy as np
 
+from .kernels._band import (ITEM_COLUMNS, ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q,
+                            SEQ_COLUMNS, SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START,
+                            visible_keys)
+
 # Fixed cost of an item (packing, finishing rows), in units of query-key pairs.
 ITEM_OVERHEAD = 4096
 
 
 def sequence_table(n_q, n_k, batch):
     """The kernel's sequence table for `batch` sequences of the same lengths (no varlen)."""
-    seqs = np.zeros((batch, 6), dtype=np.int64)
-    seqs[:, 0] = seqs[:, 3] = np.arange(batch)
-    seqs[:, 2] = n_q
-    seqs[:, 5] = n_k
+    seqs = np.zeros((batch, SEQ_COLUMNS), dtype=np.int64)
+    seqs[:, SEQ_BATCH_Q] = seqs[:, SEQ_BATCH_K] = np.arange(batch)
+    seqs[:, SEQ_N_Q] = n_q
+    seqs[:, SEQ_N_K] = n_k
     return seqs
 
 
 def varlen_table(cu_q, cu_k):
     """The kernel's sequence table for packed sequences given by cumulative lengths."""
     batch = len(cu_q) - 1
-    seqs = np.zeros((batch, 6), dtype=np.int64)
-    seqs[:, 1] = cu_q[:-1]
-    seqs[:, 2] = np.diff(cu_q)
-    seqs[:, 4] = cu_k[:-1]
-    seqs[:, 5] = np.diff(cu_k)
+    seqs = np.zeros((batch, SEQ_COLUMNS), dtype=np.int64)
+    seqs[:, SEQ_Q_START] = cu_q[:-1]
+    seqs[:, SEQ_N_Q] = np.diff(cu_q)
+    seqs[:, SEQ_K_START] = cu_k[:-1]
+    seqs[:, SEQ_N_K] = np.diff(cu_k)
     return seqs
 
 
 def work_items(seqs, n_heads, block_q, window, key_align):
     """All (sequence, head, first row) items and the number of query-key pairs each may see
     (a tile's first key block starts at a multiple of `key_align`, as in the kernel)."""
-    n_q, n_k = seqs[:, 2], seqs[:, 5]
+    n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
     blocks = -(-n_q // block_q)
     seq = np.repeat(np.arange(len(seqs)), blocks)
     first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
@@ -46,14 +50,13 @@ def work_items(seqs, n_heads, block_q, window, key_align):
     # the same key range the kernel computes for the tile
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
-    k_lo = np.maximum(0, diag0 - left) // key_align * key_align if left >= 0 else np.zeros_like(q0)
-    k_hi = np.minimum(n_k[seq], diag0 + rows + right) if right >= 0 else n_k[seq]
+    k_lo, k_hi = visible_keys(diag0, rows, n_k[seq], left, right, key_align)
     pairs = rows * np.maximum(0, k_hi - k_lo)
 
-    items = np.empty((len(seq) * n_heads, 3), dtype=np.int64)
-    items[:, 0] = np.repeat(seq, n_heads)
-    items[:, 1] = np.tile(np.arange(n_heads), len(seq))
-    items[:, 2] = np.repeat(q0, n_heads)
+    items = np.empty((len(seq) * n_heads, ITEM_COLUMNS), dtype=np.int64)
+    items[:, ITEM_SEQ] = np.repeat(seq, n_heads)
+    items[:, ITEM_HEAD] = np.tile(np.arange(n_heads), len(seq))
+    items[:, ITEM_Q0] = np.repeat(q0, n_heads)
     return items, np.repeat(pairs, n_heads) + ITEM_OVERHEAD
 
 
@@ -73,7 +76,7 @@ def balance(items, cost, n_threads):
       causal tiles of very different costs).
     """
     n_chunks = max(1, min(n_threads, len(items)))
-    in_order = np.lexsort((items[:, 2], items[:, 1], items[:, 0]))
+    in_order = np.lexsort((items[:, ITEM_Q0], items[:, ITEM_HEAD], items[:, ITEM_SEQ]))
     # runs: chunk c takes the items whose cost midpoint falls in the c-th equal share
     total = np.cumsum(cost[in_order])
     midpoint = total - cost[in_order] / 2
@@ -92,7 +95,7 @@ def balance(items, cost, n_threads):
         return loads.max(initial=0), int(empty.sum())
 
     owner = runs if badness(runs) <= badness(snake) else snake
-    by_chunk = np.lexsort((items[:, 2], items[:, 1], items[:, 0], owner))
+    by_chunk = np.lexsort((items[:, ITEM_Q0], items[:, ITEM_HEAD], items[:, ITEM_SEQ], owner))
     chunk_ptr = np.zeros(n_chunks + 1, dtype=np.int64)
     chunk_ptr[1:] = np.cumsum(np.bincount(owner, minlength=n_chunks))
     return np.ascontiguousarray(items[by_chunk]), chunk_ptr

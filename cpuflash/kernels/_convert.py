@@ -141,49 +141,49 @@ def row_offset(arr, i, j, row):
     return (i * arr.strides[0] + j * arr.strides[1] + row * arr.strides[2]) // arr.itemsize
 
 
-def load_widened(arr, i, half):
-    """`_simd.vload(arr, i)`, the bits of a half-precision `arr` (`half` says which) widened
+def load_widened(arr, i, half_kind):
+    """`_simd.vload(arr, i)`, the bits of a half-precision `arr` (`half_kind` says which) widened
     to float32."""
 
 
 @overload(load_widened, jit_options=HELPER_OPTIONS)
-def _load_widened(arr, i, half):
+def _load_widened(arr, i, half_kind):
     if isinstance(arr.dtype, types.Float):
-        return lambda arr, i, half: _simd.vload(arr, i)
+        return lambda arr, i, half_kind: _simd.vload(arr, i)
 
-    def load_half(arr, i, half):
-        return _simd.vload_bf16(arr, i) if half == BFLOAT16 else _simd.vload_f16(arr, i)
+    def load_half(arr, i, half_kind):
+        return _simd.vload_bf16(arr, i) if half_kind == BFLOAT16 else _simd.vload_f16(arr, i)
     return load_half
 
 
-def load_block(arr, i, stride, half):
+def load_block(arr, i, stride, half_kind):
     """`_simd.vload_rows(arr, i, stride)`, half-precision bits widened as `load_widened` does."""
 
 
 @overload(load_block, jit_options=HELPER_OPTIONS)
-def _load_block(arr, i, stride, half):
+def _load_block(arr, i, stride, half_kind):
     if isinstance(arr.dtype, types.Float):
-        return lambda arr, i, stride, half: _simd.vload_rows(arr, i, stride)
+        return lambda arr, i, stride, half_kind: _simd.vload_rows(arr, i, stride)
 
-    def load_half(arr, i, stride, half):
-        if half == BFLOAT16:
+    def load_half(arr, i, stride, half_kind):
+        if half_kind == BFLOAT16:
             return _simd.vload_rows_bf16(arr, i, stride)
         return _simd.vload_rows_f16(arr, i, stride)
     return load_half
 
 
-def store_narrowed(arr, i, vec, half):
+def store_narrowed(arr, i, vec, half_kind):
     """`_simd.vstore(arr, i, vec)`, rounded to the half-precision `arr`'s format as `narrow`
     rounds."""
 
 
 @overload(store_narrowed, jit_options=HELPER_OPTIONS)
-def _store_narrowed(arr, i, vec, half):
+def _store_narrowed(arr, i, vec, half_kind):
     if isinstance(arr.dtype, types.Float):
-        return lambda arr, i, vec, half: _simd.vstore(arr, i, vec)
+        return lambda arr, i, vec, half_kind: _simd.vstore(arr, i, vec)
 
-    def store_half(arr, i, vec, half):
-        if half == BFLOAT16:
+    def store_half(arr, i, vec, half_kind):
+        if half_kind == BFLOAT16:
             _simd.vstore_bf16(arr, i, vec)
         else:
             _simd.vstore_f16(arr, i, vec)

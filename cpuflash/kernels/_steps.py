@@ -13,9 +13,9 @@ Only the first `rows` x `cols` entries of a tile are meaningful. Padding columns
 `acc` are zero (they are allocated zeroed and never written), so whole vectors can be used.
 
 The three hot steps (Q K^T, the softmax update, P V) are written with the explicit SIMD values
-of `cpuflash._simd`: register-blocked micro-kernels of `ROWS` query rows x two vectors, whose
-accumulators stay in registers for a whole panel (12 of them: they fit the 16 registers of AVX2
-as well as the 32 of AVX-512).
+of `cpuflash._simd`: register-blocked micro-kernels of `ROWS` query rows x two vectors (12
+accumulators, for the 16 registers of AVX2), or x four vectors where the CPU has the 32 of
+AVX-512 (`WIDE`: 24 accumulators), whose accumulators stay in registers for a whole panel.
 """
 
 import math
@@ -25,10 +25,11 @@ from numba import types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .. import _simd
-from .._jit import STRICT_OPTIONS, HELPER_OPTIONS, jit
+from .. import _simd, tiling
+from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
     vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
+from . import _band
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
 
@@ -39,6 +40,17 @@ UNBOUNDED = 1 << 40  # a band edge that no tile reaches
 DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum
 # 32 vector registers (AVX-512): room for the 24 accumulators of the wide micro-kernels
 WIDE = _simd.LANES_F32 == 16
+
+# `tiling` sizes tiles on these facts, and the same bits for any thread count rest on them: a
+# query block is whole row groups, so a row falls in the same micro-tile group (and rounds the
+# same way) whatever block it is in; key blocks start on panel borders, so no panel of a
+# block straddles two blocks.
+assert tiling.ROW_GROUP % ROWS == 0, "query blocks must be whole micro-tile row groups"
+assert tiling.KEY_PANEL % (2 * _simd.LANES_F32) == 0, "key blocks must start on panel borders"
+
+# the keys a tile's rows see (shared with the scheduler, see `_band`)
+visible_keys = jit(_band.visible_keys)
+sees_all = jit(_band.sees_all)
 
 
 def lanes(arr):
@@ -70,22 +82,23 @@ def tile_buffers(block_q, block_k, d, dv, like):
 
 
 @jit
-def pack_rows(src, b, h, start, rows, dst, half):
+def pack_rows(src, b, h, start, rows, dst, half_kind):
     """dst[r, :D] = src[b, h, start + r, :], widened to the compute dtype."""
     n = lanes(dst)
     if vector_rows(src, n):  # whole vectors
         base, stride = row_offset(src, b, h, start), src.strides[2] // src.itemsize
         for r in range(rows):
             for x in range(0, src.shape[3], n):
-                vstore(dst, r * dst.shape[1] + x, load_widened(src, base + r * stride + x, half))
+                row = load_widened(src, base + r * stride + x, half_kind)
+                vstore(dst, r * dst.shape[1] + x, row)
         return
     for r in range(rows):
         for x in range(src.shape[3]):
-            dst[r, x] = widen(src[b, h, start + r, x], half)
+            dst[r, x] = widen(src[b, h, start + r, x], half_kind)
 
 
 @jit
-def pack_key_panels(k, b, h, start, cols, k_panels, half):
+def pack_key_panels(k, b, h, start, cols, k_panels, half_kind):
     """Key rows start..start+cols into panels: k_panels[c // W, :, c % W].
 
     A transpose: where the rows are whole vectors, `lanes` keys x `lanes` dims at a time, in
@@ -98,14 +111,14 @@ def pack_key_panels(k, b, h, start, cols, k_panels, half):
         while c + n <= cols:
             out = c // w * d * w + c % w  # k_panels[c // w, 0, c % w]
             for x in range(0, d, n):
-                block = vtranspose(load_block(k, base + c * stride + x, stride, half))
+                block = vtranspose(load_block(k, base + c * stride + x, stride, half_kind))
                 for j in range(n):  # dim x + j of keys c .. c + n
                     vstore(k_panels, out + (x + j) * w, block[j])
             c += n
     for c in range(c, cols):
         panel, lane = c // w, c % w
         for x in range(d):
-            k_panels[panel, x, lane] = widen(k[b, h, start + c, x], half)
+            k_panels[panel, x, lane] = widen(k[b, h, start + c, x], half_kind)
     last = (cols - 1) // w
     for lane in range(cols - last * w, w):  # zero the tail of a partial last panel
         for x in range(d):
@@ -223,11 +236,11 @@ def _qk_micro6w(q_tile, r, k_panels, panel, scores, mult):
             s = vbroadcast(q_tile, q + 5 * d + x)
             f0, f1, f2, f3 = vfma(s, k0, f0), vfma(s, k1, f1), vfma(s, k2, f2), vfma(s, k3, f3)
         first, last = x0 == 0, x0 + DOT_CHUNK >= d
-        for row, lo, hi, lo2, hi2 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
-                                      (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
-                                      (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-            _store_or_add(scores, out + row * sw, lo, hi, first, last, mult)
-            _store_or_add(scores, out + row * sw + w, lo2, hi2, first, last, mult)
+        for row, s0, s1, s2, s3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
+                                    (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
+                                    (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+            _store_or_add(scores, out + row * sw, s0, s1, first, last, mult)
+            _store_or_add(scores, out + row * sw + w, s2, s3, first, last, mult)
 
 
 @jit
@@ -247,18 +260,18 @@ def _qk_micro1(q_tile, r, k_panels, panel, scores, mult):
 
 
 @jit
-def _store_or_add(scores, o, lo, hi, first, last, mult):
-    """scores[o : o + 2 vectors] = (lo, hi), or += (lo, hi) after the first chunk; the sum of
+def _store_or_add(scores, o, s0, s1, first, last, mult):
+    """scores[o : o + 2 vectors] = (s0, s1), or += (s0, s1) after the first chunk; the sum of
     the last chunk is multiplied by `mult` before it is stored."""
     n = lanes(scores)
     if not first:
-        lo = vadd(lo, vload(scores, o))
-        hi = vadd(hi, vload(scores, o + n))
+        s0 = vadd(s0, vload(scores, o))
+        s1 = vadd(s1, vload(scores, o + n))
     if last:
         scale = vsplat(mult, scores)
-        lo, hi = vmul(scale, lo), vmul(scale, hi)
-    vstore(scores, o, lo)
-    vstore(scores, o + n, hi)
+        s0, s1 = vmul(scale, s0), vmul(scale, s1)
+    vstore(scores, o, s0)
+    vstore(scores, o + n, s1)
 
 
 @jit
@@ -523,10 +536,10 @@ def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1):
         e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
         s = vbroadcast(scores, p + 5 * sw + c)
         f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
-    for row, lo, hi, lo2, hi2 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
-                                  (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-        _rescale_add(acc, o + row * dvp, alpha[r + row], lo, hi)
-        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], lo2, hi2)
+    for row, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
+                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+        _rescale_add(acc, o + row * dvp, alpha[r + row], t0, t1)
+        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], t2, t3)
 
 
 @jit
@@ -590,14 +603,14 @@ def rescale_add(acc, o, alpha, total):
 
 
 @jit
-def _rescale_add(acc, o, alpha, lo, hi):
+def _rescale_add(acc, o, alpha, t0, t1):
     """`rescale_add` of two vectors: acc[o : o + 2 vectors]."""
-    rescale_add(acc, o, alpha, lo)
-    rescale_add(acc, o + lanes(acc), alpha, hi)
+    rescale_add(acc, o, alpha, t0)
+    rescale_add(acc, o + lanes(acc), alpha, t1)
 
 
 @jit
-def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
+def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_kind):
     """out = acc / row_sum and lse = max + log(sum), written once per row.
 
     `sink` (-inf when absent) joins the denominator only. A row with nothing visible writes
@@ -619,8 +632,9 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half):
             o = row_offset(out, b, h, start + r)
             scale = vsplat(norm, acc)
             for x in range(0, out.shape[3], n):
-                store_narrowed(out, o + x, vmul(scale, vload(acc, r * acc.shape[1] + x)), half)
+                store_narrowed(out, o + x, vmul(scale, vload(acc, r * acc.shape[1] + x)),
+                               half_kind)
         else:
             for x in range(out.shape[3]):
-                out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half)
+                out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half_kind)
         lse[b, h, start + r] = m + math.log2(total) * LN2 if total != 0 else -np.inf

@@ -56,7 +56,7 @@ def _line_elements(arr):
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
-            softcap, left, right, half, alibi, part_out, part_lse):
+            softcap, left, right, half_kind, alibi, part_out, part_lse):
     batch, n_heads, n_q, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_heads // n_kv
@@ -69,13 +69,11 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
         n_k = n_keys[b]
         shift = n_k - n_q  # bottom-right alignment, per batch entry
-        # -- this split's keys, narrowed to what some row of the group can see
-        k_lo = split * split_len
-        k_hi = min(n_k, k_lo + split_len)
-        if left >= 0:  # aligned down, so the key blocks are the same for any split of rows
-            k_lo = max(k_lo, (shift - left) // block_k * block_k)
-        if right >= 0:
-            k_hi = min(k_hi, n_q + shift + right)
+        # -- this split's keys, narrowed to what some row of the group can see (from a
+        # multiple of block_k, so the key blocks are the same for any split of rows)
+        seen_lo, seen_hi = _steps.visible_keys(shift, n_q, n_k, left, right, block_k)
+        k_lo = max(split * split_len, seen_lo)
+        k_hi = min(split * split_len + split_len, seen_hi)
 
         n = _steps.lanes(part_lse)
         direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
@@ -100,7 +98,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             k_step, v_step = k_rows.shape[1], v_tile.shape[1]
         for r in range(rows):
             for x in range(d):
-                q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half)
+                q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half_kind)
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
@@ -116,20 +114,20 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                                      min(block_k, k_hi - kb - block_k), page_size, next_cols,
                                      next_starts)
                 _dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
-                          half, v_cache, v_starts, v_step, True,
+                          half_kind, v_cache, v_starts, v_step, True,
                           next_starts[0] if n_next else NOTHING_NEXT)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
-                _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half)
-                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows, half,
-                          v_cache, v_starts, v_step, False, NOTHING_NEXT)
+                _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows,
+                            half_kind)
+                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows,
+                          half_kind, v_cache, v_starts, v_step, False, NOTHING_NEXT)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
             if softcap > 0:
                 _steps.softcap_tile(scores, rows, cols, softcap, *everything)
-            inside = ((left < 0 or kb >= n_q - 1 + shift - left)
-                      and (right < 0 or kb + cols - 1 <= shift + right))
+            inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
             if has_alibi or not inside:
                 for r in range(rows):
                     diag = r % n_q + shift - kb  # block column under row r's diagonal
@@ -146,11 +144,12 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             band = (n_q, shift - kb, left, right) if not inside else (n_q, 0, -1, -1)
             if direct:
                 _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
-                         rows, half, k_cache, next_cols, next_starts, n_next, k_step, band)
+                         rows, half_kind, k_cache, next_cols, next_starts, n_next, k_step, band)
             else:
-                _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half)
+                _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half_kind)
                 _pv_rows(scores, v_tile, run_cols, v_starts, n_runs, v_step, v_tile.shape[1],
-                         acc, alpha, rows, half, k_cache, next_cols, next_starts, 0, k_step, band)
+                         acc, alpha, rows, half_kind, k_cache, next_cols, next_starts, 0, k_step,
+                         band)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -200,12 +199,12 @@ def _one_run(cols, run_cols, k_starts, v_starts):
 
 
 @jit
-def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half):
+def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind):
     """The general gather: element by element, any strides, half-precision bits widened."""
     for c in range(cols):
         page = block_table[b, (start + c) // page_size]
         for x in range(cache.shape[3]):
-            dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half)
+            dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half_kind)
 
 
 @jit
@@ -217,7 +216,7 @@ def _row_starts(r, count, stride):
 
 
 @jit
-def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, later,
+def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half_kind, later,
               later_starts, later_step, ahead, next_start):
     """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as runs
     (`_block_runs`; flat element offsets into `keys`, rows `step` elements apart). q_rows are
@@ -239,21 +238,21 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half, 
     n, dp = _steps.lanes(q_rows), q_rows.shape[1]
     # (half caches keep the four-row shapes: the one-pass Q K^T, widening as it loads, measured
     # 2x slower on a float16 cache)
-    if dp == 8 * n and rows <= 4 and half == 0:
+    if dp == 8 * n and rows <= 4 and half_kind == 0:
         if rows > 2:
-            _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half,
+            _dot_quad(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half_kind,
                       next_start)
         else:
-            _dot_pair(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half,
+            _dot_pair(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half_kind,
                       next_start)
         return
     for r in range(0, rows, 4):
         _dot_four(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
-                  half, later, later_starts, later_step, ahead and r == 0)
+                  half_kind, later, later_starts, later_step, ahead and r == 0)
 
 
 @jit
-def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half, next_start):
+def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
     keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
@@ -266,23 +265,23 @@ def _dot_pair(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half,
         beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
         while c + 4 <= end:
             _prefetch_rows(keys, k + (ahead if c + AHEAD + 4 <= end else beyond), 4, step, dp)
-            a0, b0 = _dot2(keys, k, half, qs)
-            a1, b1 = _dot2(keys, k + step, half, qs)
-            a2, b2 = _dot2(keys, k + 2 * step, half, qs)
-            a3, b3 = _dot2(keys, k + 3 * step, half, qs)
+            a0, b0 = _dot2(keys, k, half_kind, qs)
+            a1, b1 = _dot2(keys, k + step, half_kind, qs)
+            a2, b2 = _dot2(keys, k + 2 * step, half_kind, qs)
+            a3, b3 = _dot2(keys, k + 3 * step, half_kind, qs)
             vstore_hsums(scores, c, sw, (a0, a1, a2, a3, b0, b1, b2, b3))
             c += 4
             k += 4 * step
         for c in range(c, end):  # the run's last keys, one at a time
             _prefetch_rows(keys, k + beyond, 1, step, dp)
-            a, b_ = _dot2(keys, k, half, qs)
+            a, b_ = _dot2(keys, k, half_kind, qs)
             scores[0, c] = vhsum(a)
             scores[1, c] = vhsum(b_)
             k += step
 
 
 @jit
-def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half, next_start):
+def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
     stream far more than its arithmetic (bench/stream_shapes.py). Rows 0 and 1 keep their query
@@ -303,13 +302,14 @@ def _dot_quad(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half,
         beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
         while c + 2 <= end:
             _prefetch_rows(keys, k + (ahead if c + AHEAD + 2 <= end else beyond), 2, step, dp)
-            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half, qs, q_rows, o2, o3)
+            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half_kind, qs, q_rows,
+                                                     o2, o3)
             vstore_hsums(scores, c, sw, ((a0, a1), (b0, b1), (e0, e1), (f0, f1)))
             c += 2
             k += 2 * step
         if c < end:  # the run's last key
             _prefetch_rows(keys, k + beyond, 1, step, dp)
-            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k, half, qs, q_rows, o2, o3)
+            a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k, half_kind, qs, q_rows, o2, o3)
             scores[0, c], scores[1, c] = vhsum(a0), vhsum(b0)
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
 
@@ -358,7 +358,7 @@ def _next_position(run_cols, starts, n_runs, step, c, j, o):
 
 
 @jit
-def _dot4x2(keys, k0, k1, half, qs, q_rows, o2, o3):
+def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     """The eight dot products of the key rows at flat k0 and k1 with four query rows: those
     whose vectors are `qs` (as in `_dot2`), then those at flat o2 and o3 of `q_rows`. Returns
     (row 0 x k0, row 0 x k1, row 1 x k0, ..., row 3 x k1), each one FMA chain along D, bit for
@@ -366,20 +366,20 @@ def _dot4x2(keys, k0, k1, half, qs, q_rows, o2, o3):
     n = _steps.lanes(qs[0])
     z = vzeros(qs[0])
     acc = (z, z, z, z, z, z, z, z)
-    acc = _quad_step(keys, k0, k1, 0, half, qs[0], qs[8], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, n, half, qs[1], qs[9], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, 2 * n, half, qs[2], qs[10], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, 3 * n, half, qs[3], qs[11], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, 4 * n, half, qs[4], qs[12], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, 5 * n, half, qs[5], qs[13], q_rows, o2, o3, acc)
-    acc = _quad_step(keys, k0, k1, 6 * n, half, qs[6], qs[14], q_rows, o2, o3, acc)
-    return _quad_step(keys, k0, k1, 7 * n, half, qs[7], qs[15], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 0, half_kind, qs[0], qs[8], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, n, half_kind, qs[1], qs[9], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 2 * n, half_kind, qs[2], qs[10], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 3 * n, half_kind, qs[3], qs[11], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 4 * n, half_kind, qs[4], qs[12], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 5 * n, half_kind, qs[5], qs[13], q_rows, o2, o3, acc)
+    acc = _quad_step(keys, k0, k1, 6 * n, half_kind, qs[6], qs[14], q_rows, o2, o3, acc)
+    return _quad_step(keys, k0, k1, 7 * n, half_kind, qs[7], qs[15], q_rows, o2, o3, acc)
 
 
 @jit
-def _quad_step(keys, k0, k1, x, half, qa, qb, q_rows, o2, o3, acc):
+def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
     """Elements x .. x + lanes of `_dot4x2`'s eight chains."""
-    y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
+    y0, y1 = load_widened(keys, k0 + x, half_kind), load_widened(keys, k1 + x, half_kind)
     a0, a1, b0, b1, e0, e1, f0, f1 = acc
     q = vload(q_rows, o2 + x)
     e0, e1 = vfma(q, y0, e0), vfma(q, y1, e1)
@@ -402,31 +402,31 @@ def _pair_vectors(q_rows, o, p):
 
 
 @jit
-def _dot2(keys, k, half, qs):
+def _dot2(keys, k, half_kind, qs):
     """The two dot products of the key row at flat `k` with the query rows whose eight
     vectors each are `qs` (the first row's, then the second's): two FMA chains along D."""
     n = _steps.lanes(qs[0])
-    y = load_widened(keys, k, half)
+    y = load_widened(keys, k, half_kind)
     a, b = vfma(qs[0], y, vzeros(y)), vfma(qs[8], y, vzeros(y))
-    y = load_widened(keys, k + n, half)
+    y = load_widened(keys, k + n, half_kind)
     a, b = vfma(qs[1], y, a), vfma(qs[9], y, b)
-    y = load_widened(keys, k + 2 * n, half)
+    y = load_widened(keys, k + 2 * n, half_kind)
     a, b = vfma(qs[2], y, a), vfma(qs[10], y, b)
-    y = load_widened(keys, k + 3 * n, half)
+    y = load_widened(keys, k + 3 * n, half_kind)
     a, b = vfma(qs[3], y, a), vfma(qs[11], y, b)
-    y = load_widened(keys, k + 4 * n, half)
+    y = load_widened(keys, k + 4 * n, half_kind)
     a, b = vfma(qs[4], y, a), vfma(qs[12], y, b)
-    y = load_widened(keys, k + 5 * n, half)
+    y = load_widened(keys, k + 5 * n, half_kind)
     a, b = vfma(qs[5], y, a), vfma(qs[13], y, b)
-    y = load_widened(keys, k + 6 * n, half)
+    y = load_widened(keys, k + 6 * n, half_kind)
     a, b = vfma(qs[6], y, a), vfma(qs[14], y, b)
-    y = load_widened(keys, k + 7 * n, half)
+    y = load_widened(keys, k + 7 * n, half_kind)
     a, b = vfma(qs[7], y, a), vfma(qs[15], y, b)
     return a, b
 
 
 @jit
-def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half, later,
+def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half_kind, later,
               later_starts, later_step, ahead):
     """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
@@ -440,8 +440,10 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
             s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
             for x in range(0, dp, n):
-                y0, y1 = load_widened(keys, k0 + x, half), load_widened(keys, k1 + x, half)
-                y2, y3 = load_widened(keys, k2 + x, half), load_widened(keys, k3 + x, half)
+                y0 = load_widened(keys, k0 + x, half_kind)
+                y1 = load_widened(keys, k1 + x, half_kind)
+                y2 = load_widened(keys, k2 + x, half_kind)
+                y3 = load_widened(keys, k3 + x, half_kind)
                 if ahead:  # the same columns of four later rows
                     prefetch(later, lk + x)
                     prefetch(later, lk + later_step + x)
@@ -469,13 +471,13 @@ def _dot_four(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, ha
                 total = vzeros(q_rows)
                 for x in range(0, dp, n):
                     total = vfma(vload(q_rows, (r + j) * dp + x),
-                                 load_widened(keys, k + x, half), total)
+                                 load_widened(keys, k + x, half_kind), total)
                 scores[r + j, c] = vhsum(total)
             k += step
 
 
 @jit
-def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half,
+def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half_kind,
              later, later_cols, later_starts, n_later, later_step, band):
     """acc = alpha * acc + P V over the value rows given as runs (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
@@ -495,30 +497,31 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
     """
     n = _steps.lanes(acc)
     if ((band[2] >= 0 or band[3] >= 0)
-            and not _finite_runs(values, run_cols, starts, n_runs, step, width, half, acc)):
+            and not _finite_runs(values, run_cols, starts, n_runs, step, width, half_kind, acc)):
         _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows,
-                      half, band)
+                      half_kind, band)
         return
-    if width == 8 * n and rows <= 4 and half == 0:  # as in `_dot_rows`
+    if width == 8 * n and rows <= 4 and half_kind == 0:  # as in `_dot_rows`
         for r in range(0, rows, 2):
             _pv_pair(scores, r, min(2, rows - r), values, run_cols, starts, n_runs, step, acc,
-                     alpha, half)
+                     alpha, half_kind)
         return
     for r in range(0, rows, 4):
         count = min(4, rows - r)
         x = 0
         while x + 4 * n <= width:
             _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
-                         alpha, half, later, later_cols, later_starts, n_later if r == 0 else 0,
+                         alpha, half_kind, later, later_cols, later_starts,
+                         n_later if r == 0 else 0,
                          later_step)
             x += 4 * n
         for x in range(x, width, n):
             _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
-                         alpha, half)
+                         alpha, half_kind)
 
 
 @jit
-def _finite_runs(values, run_cols, starts, n_runs, step, width, half, like):
+def _finite_runs(values, run_cols, starts, n_runs, step, width, half_kind, like):
     """Whether the value rows given as runs hold only finite numbers in their first `width`
     elements (x - x is 0 for those, NaN for inf and NaN)."""
     total = vzeros(like)
@@ -526,15 +529,15 @@ def _finite_runs(values, run_cols, starts, n_runs, step, width, half, like):
         o = starts[i]
         for c in range(run_cols[i], run_cols[i + 1]):
             for x in range(0, width, _steps.lanes(like)):
-                v = load_widened(values, o + x, half)
+                v = load_widened(values, o + x, half_kind)
                 total = vadd(total, vsub(v, v))
             o += step
     return vhsum(total) == 0
 
 
 @jit
-def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half,
-                  band):
+def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows,
+                  half_kind, band):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
     n, sw = _steps.lanes(acc), scores.shape[1]
@@ -550,13 +553,13 @@ def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, al
                 for c in range(run_cols[i], run_cols[i + 1]):
                     if first <= c <= last:
                         total = vfma(vbroadcast(scores, r * sw + c),
-                                     load_widened(values, o, half), total)
+                                     load_widened(values, o, half_kind), total)
                     o += step
             _steps.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
 
 
 @jit
-def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alpha, half):
+def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
@@ -566,10 +569,13 @@ def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alph
     for i in range(n_runs):
         o = starts[i]
         for c in range(run_cols[i], run_cols[i + 1]):
-            v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
-            v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
-            v4, v5 = load_widened(values, o + 4 * n, half), load_widened(values, o + 5 * n, half)
-            v6, v7 = load_widened(values, o + 6 * n, half), load_widened(values, o + 7 * n, half)
+            v0, v1 = load_widened(values, o, half_kind), load_widened(values, o + n, half_kind)
+            v2 = load_widened(values, o + 2 * n, half_kind)
+            v3 = load_widened(values, o + 3 * n, half_kind)
+            v4 = load_widened(values, o + 4 * n, half_kind)
+            v5 = load_widened(values, o + 5 * n, half_kind)
+            v6 = load_widened(values, o + 6 * n, half_kind)
+            v7 = load_widened(values, o + 7 * n, half_kind)
             p = vbroadcast(scores, p0 + c)
             a0, a1, a2, a3 = vfma(p, v0, a0), vfma(p, v1, a1), vfma(p, v2, a2), vfma(p, v3, a3)
             a4, a5, a6, a7 = vfma(p, v4, a4), vfma(p, v5, a5), vfma(p, v6, a6), vfma(p, v7, a7)
@@ -586,7 +592,7 @@ def _pv_pair(scores, r, count, values, run_cols, starts, n_runs, step, acc, alph
 
 @jit
 def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
-                 half, later, later_cols, later_starts, n_later, later_step):
+                 half_kind, later, later_cols, later_starts, n_later, later_step):
     """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
@@ -597,8 +603,9 @@ def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
     for i in range(n_runs):
         o = starts[i] + x
         for c in range(run_cols[i], run_cols[i + 1]):
-            v0, v1 = load_widened(values, o, half), load_widened(values, o + n, half)
-            v2, v3 = load_widened(values, o + 2 * n, half), load_widened(values, o + 3 * n, half)
+            v0, v1 = load_widened(values, o, half_kind), load_widened(values, o + n, half_kind)
+            v2 = load_widened(values, o + 2 * n, half_kind)
+            v3 = load_widened(values, o + 3 * n, half_kind)
             if j < n_later:  # the same columns of a later row, one cache line per vector
                 prefetch(later, lo + x)
                 prefetch(later, lo + x + n)
@@ -629,7 +636,7 @@ def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
 
 @jit
 def _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
-                 half):
+                 half_kind):
     """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
     sw = scores.shape[1]
     p0, p1, p2, p3 = _row_starts(r, count, sw)
@@ -637,7 +644,7 @@ def _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
     for i in range(n_runs):
         o = starts[i] + x
         for c in range(run_cols[i], run_cols[i + 1]):
-            v = load_widened(values, o, half)
+            v = load_widened(values, o, half_kind)
             a0 = vfma(vbroadcast(scores, p0 + c), v, a0)
             a1 = vfma(vbroadcast(scores, p1 + c), v, a1)
             a2 = vfma(vbroadcast(scores, p2 + c), v, a2)

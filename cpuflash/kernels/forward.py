@@ -11,7 +11,8 @@ The softmax runs on the vectorized `exp2` of the SIMD layer: `exp(s - max)` is c
 `exp2((s - max) * log2(e))`.
 
 Sequences are described by a table so that batched input, packed (varlen) input and KV caches
-share this kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)`` and
+share this kernel: row ``s`` of `seqs` is ``(batch_q, q_start, n_q, batch_k, k_start, n_k)``
+(the columns `_band.SEQ_*`; the work items' are `_band.ITEM_*`) and
 sequence ``s`` reads ``q[batch_q, :, q_start:q_start+n_q]`` and
 ``k[batch_k, :, k_start:k_start+n_k]``.
 Per-sequence operands (ALiBi slopes, the rows of bias and mask) are indexed by ``s``.
@@ -22,10 +23,12 @@ from numba import prange, types
 
 from .._jit import Kernel, array
 from . import _steps
+from ._band import (ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_K_START,
+                    SEQ_N_K, SEQ_N_Q, SEQ_Q_START)
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
-                 qk_scale, softcap, left, right, half, alibi, bias, bias_map, mask, mask_map,
+                 qk_scale, softcap, left, right, half_kind, alibi, bias, bias_map, mask, mask_map,
                  sinks):
     d = q.shape[3]
     dv = v.shape[3]
@@ -46,9 +49,11 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
         alpha = np.empty(block_q, dtype=cdtype)
 
         for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
-            seq, h, q0 = items[item, 0], items[item, 1], items[item, 2]
-            bq, q_start, n_q = seqs[seq, 0], seqs[seq, 1], seqs[seq, 2]
-            bk, k_start, n_k = seqs[seq, 3], seqs[seq, 4], seqs[seq, 5]
+            seq, h, q0 = items[item, ITEM_SEQ], items[item, ITEM_HEAD], items[item, ITEM_Q0]
+            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
+                                     seqs[seq, SEQ_N_Q])
+            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
+                                     seqs[seq, SEQ_N_K])
             hk = h // group
             rows = min(block_q, n_q - q0)
             # bottom-right alignment: query row i sits over key column i + shift
@@ -56,14 +61,12 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
             diag0 = q0 + shift  # key column under the tile's first row
 
             # -- the keys any row of this tile can see; blocks outside are never visited. Blocks
-            # start at multiples of block_k whatever the tile (key_align = block_k), so every row
-            # meets the same key blocks (and rounds the same way) for any block_q, hence any
-            # thread count; or, for a narrow window (`tiling.band_tiles`), the tile's whole band
-            # is one block from a multiple of key_align, which holds each row's whole band.
-            k_lo = max(0, diag0 - left) // key_align * key_align if left >= 0 else 0
-            k_hi = min(n_k, diag0 + rows + right) if right >= 0 else n_k
+            # start at multiples of block_k whatever the tile (key_align = block_k); or, for a
+            # narrow window (`tiling.band_tiles`), the tile's whole band is one block from a
+            # multiple of key_align, which holds each row's whole band.
+            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
 
-            _steps.pack_rows(q, bq, h, q_start + q0, rows, q_tile, half)
+            _steps.pack_rows(q, batch_q, h, q_start + q0, rows, q_tile, half_kind)
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
@@ -71,58 +74,59 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
-                # -- the band of this block each row sees (tile columns r + lo .. r + hi); blocks
-                # inside it need no element masks, and on its edges whole panels are skipped
-                inside = ((left < 0 or kb >= diag0 + rows - 1 - left)
-                          and (right < 0 or kb + cols - 1 <= diag0 + right))
-                lo = diag0 - kb - left if left >= 0 and not inside else -_steps.UNBOUNDED
-                hi = diag0 - kb + right if right >= 0 and not inside else _steps.UNBOUNDED
+                # -- the band of this block each row sees (tile columns r + lo_off ..
+                # r + hi_off); blocks inside it need no element masks, and on its edges whole
+                # panels are skipped
+                inside = _steps.sees_all(diag0, rows, kb, cols, left, right)
+                lo_off = diag0 - kb - left if left >= 0 and not inside else -_steps.UNBOUNDED
+                hi_off = diag0 - kb + right if right >= 0 and not inside else _steps.UNBOUNDED
 
                 # -- pack the keys and values some row sees (from a whole panel)
                 w = k_panels.shape[2]
-                first = max(0, lo) // w * w
-                end = min(cols, rows + hi)
+                first = max(0, lo_off) // w * w
+                end = min(cols, rows + hi_off)
                 if end > first:
-                    _steps.pack_key_panels(k, bk, hk, k_start + kb + first, end - first,
-                                           k_panels[first // w:], half)
-                    _steps.pack_rows(v, bk, hk, k_start + kb + first, end - first,
-                                     v_tile[first:], half)
+                    _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
+                                           k_panels[first // w:], half_kind)
+                    _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                                     v_tile[first:], half_kind)
 
                 # -- S = scale * Q K^T
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo, hi)
+                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
 
                 # -- score modifiers, in the order of the score pipeline, on each row's band
                 if softcap > 0:
-                    _steps.softcap_tile(scores, rows, cols, softcap, lo, hi)
+                    _steps.softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
                 if has_alibi:
-                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb, lo, hi)
+                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb, lo_off, hi_off)
                 if has_bias:
-                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo,
-                                    hi)
+                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0,
+                                    lo_off, hi_off)
 
                 # -- visibility: only blocks that cross a band edge pay for element masks
                 if not inside:
-                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo, hi)
+                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off,
+                                          hi_off)
                 if has_mask:
                     _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols,
-                                          lo, hi)
+                                          lo_off, hi_off)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
-                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo, hi)
+                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
 
                 # -- acc = alpha * acc + P V; where some row cannot see every key and a value
                 # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
                 if ((inside and not has_mask) or end <= first
                         or _steps.finite_rows(v_tile, first, end)):
-                    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo, hi)
+                    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off)
                 else:
-                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo, hi, mask,
-                                         (mask_map[seq], h, q0, kb))
+                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off,
+                                         mask, (mask_map[seq], h, q0, kb))
 
             # -- normalize once, write each output row once
             sink = sinks[h] if has_sinks else -np.inf
-            _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, bq, h,
-                               q_start + q0, half)
+            _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
+                               q_start + q0, half_kind)
 
 
 def _signature(key):
