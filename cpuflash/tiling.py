@@ -19,25 +19,27 @@ MiB = 1024 * KiB
 # the tiles fit on any x86-64 core of the last ten years.
 DEFAULT_CACHES = {"l1d": 32 * KiB, "l2": 256 * KiB, "l3": 8 * MiB}
 
-# Key columns per register-blocked micro-tile (two 64-byte vectors of float32). Key blocks are
-# multiples of it so no panel is left half full except at the end of a sequence.
+# Key blocks are multiples of it: of the micro-kernels' key panel (two vectors: 32 float32 keys
+# with AVX-512, 16 with AVX2), so no panel is left half full except at the end of a sequence
+# (asserted in `kernels._steps`).
 KEY_PANEL = 32
-# Query blocks are multiples of it: of the micro-kernels' 6-row groups (`_steps.ROWS`) and of 8.
-# The groups then start at the same rows of a sequence for every block_q chosen here. P V sums a
-# group's rows over every key some row of the group sees (a probability of 0 for the others), so
-# a value row holding inf or NaN turns the whole group's output NaN (0 * inf); with groups at
-# fixed rows, that too is the same for every thread count.
+# Query blocks are multiples of it: of the micro-kernels' 6-row groups (`_steps.ROWS`, asserted
+# there) and of 8. The groups then start at the same rows of a sequence for every block_q
+# chosen here, so a row is summed the same way for every thread count.
 ROW_GROUP = 24
-# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md "Tiles"): past
-# 384 x 256 the speed is flat, while fewer, larger work items feed the threads worse.
+# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md
+# "Tiles"): past 384 x 256 the speed is flat, while fewer, larger work items feed the threads
+# worse.
 MAX_BLOCK_Q = 384
 MAX_BLOCK_K = 256
 # The widest two-sided window (left + right keys) whose band a query tile takes as one key
 # block (`band_tiles`). Measured at N=16384, D=128, block_q=384 against blocks of 256: one band
 # block is 1.05x faster for windows of 256 and 1024 keys, 0.93x for 2048.
 MAX_BAND = 1024
-# Bytes of one row of the P V micro-kernel's value slice: two vectors of 64 bytes (AVX-512; with
-# AVX2 the slice is half that, so the rule below is conservative there).
+# Bytes of a value row that the L1 rule charges per key: the two-vector slice (64-byte vectors)
+# of the narrow P V micro-kernel. With AVX-512 the wide one streams four vectors (256 bytes);
+# charging those would halve block_k, and the tile sweep measured larger key blocks faster up
+# to 256 keys, so the rule keeps the two-vector slice (with AVX2 the slice is half of it).
 VALUE_SLICE_BYTES = 128
 # The share of L1 the streamed slice may claim; the rest holds the query rows and scores that
 # the micro-kernel reads beside it.
@@ -69,8 +71,9 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
     The model (`e` bytes per element of the compute dtype, float32 for half precisions):
 
     * **L1 holds what a micro-kernel streams.** The P V micro-kernel sweeps, for a group of six
-      query rows, a slice of two vectors (128 bytes) of every value row of the block; that
-      slice is re-read by every row group, so it must stay in L1::
+      query rows, a slice of every value row of the block (two vectors, 128 bytes, as the rule
+      counts it; four with AVX-512, see `VALUE_SLICE_BYTES`); that slice is re-read by every
+      row group, so it must stay in L1::
 
           block_k * VALUE_SLICE_BYTES <= L1_SHARE * L1d
 
