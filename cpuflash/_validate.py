@@ -10,6 +10,7 @@ any strides in float32, float64 or uint16 (the bits of float16/bfloat16, widened
 kernel tile by tile), which keeps one compiled kernel per dtype.
 """
 
+import dataclasses
 import difflib
 import functools
 import inspect
@@ -19,10 +20,13 @@ import sys
 
 import numpy as np
 
+from .kernels._convert import BFLOAT16, FLOAT16
 from .tiling import TileConfig
 
-# How the kernels read the uint16 bits of a half-precision input.
-NATIVE, FLOAT16, BFLOAT16 = 0, 1, 2
+# How the kernels read an input (`half_kind`): natively, or as the uint16 bits of float16 or
+# bfloat16, whose codes the kernels define.
+NATIVE = 0
+assert NATIVE not in (FLOAT16, BFLOAT16), "NATIVE must differ from the kernels' half kinds"
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -95,6 +99,7 @@ def kernel_view(x):
 
 
 def half_kind(dtype):
+    """How the kernels read arrays of `dtype`: NATIVE, FLOAT16 or BFLOAT16."""
     if dtype == np.float16:
         return FLOAT16
     return BFLOAT16 if _is_bfloat16(dtype) else NATIVE
@@ -245,13 +250,86 @@ def sinks_value(sinks, n_heads, dtype):
     return sinks
 
 
+@dataclasses.dataclass(slots=True, kw_only=True, eq=False)
 class AttentionCall:
-    """One validated `attention` call: the kernel's arrays and how to hand the result back."""
+    """One validated call: its arrays as the kernels read them, and how to hand back the result.
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    `attention_args`, `varlen_args` and `kvcache_args` build it; `__post_init__` derives the
+    fields marked "derived". The kernels read 4-D ``(batch, heads, rows, dim)`` arrays of any
+    strides, float16 and bfloat16 as their uint16 bits.
+    """
+
+    # -- inputs, as the kernels read them
+    q: np.ndarray  # (batch, Hq, Nq, D)
+    k: np.ndarray  # (batch, Hk, Nk, D); the cache's pages with `block_table` (see `_kvcache`)
+    v: np.ndarray  # (batch, Hk, Nk, Dv), like `k`
+    dtype: np.dtype  # of the inputs and of the result
+    compute_dtype: np.dtype = dataclasses.field(init=False)  # derived: float64 or float32
+    half_kind: int = dataclasses.field(init=False)  # derived: NATIVE, FLOAT16 or BFLOAT16
+
+    # -- sizes
+    batch: int  # batch entries (packed sequences: how many sequences)
+    n_heads: int
+    n_kv_heads: int
+    n_q: int  # query rows of each batch entry (packed: of all sequences)
+    n_k: int  # key rows of each batch entry (packed: of all; cache: the most of any entry)
+    head_dim: int
+    head_dim_v: int
+
+    # -- score modifiers, in the order of the score pipeline
+    qk_scale: float
+    softcap: float  # 0 = off
+    alibi: np.ndarray  # (batch, Hq) slopes in the compute dtype; (batch, 0) without
+    bias: np.ndarray = None  # (Bx, Hq, Nq, Nk), broadcast, never expanded; derived: size 0
+    bias_map: np.ndarray = None  # (batch,) the row of `bias` each batch entry reads
+    causal: bool
+    window: tuple  # (left, right), -1 = unbounded; `causal` made right 0
+    mask: np.ndarray = None  # bool, like `bias`
+    mask_map: np.ndarray = None
+    sinks: np.ndarray = None  # (Hq,) in the compute dtype; derived: size 0 without
+    tiles: TileConfig | None = None  # the caller's tiles; None = chosen for this machine
+
+    # -- output
+    out_user: np.ndarray  # the result, in the caller's shape and dtype
+    out_bhsd: np.ndarray  # a (batch, Hq, Nq, Dv) view of `out_user`
+    out_kernel: np.ndarray = dataclasses.field(init=False)  # derived: `out_bhsd` for kernels
+    copy_back: np.ndarray | None = None  # the caller's `out`, when `out_user` stands in for it
+    lse: np.ndarray = dataclasses.field(init=False)  # derived: (q's first 3 axes) compute dtype
+    lse_shape: tuple  # the shape the caller gets `lse` in
+
+    # -- packed sequences (`varlen_args`): sequence b is rows cu[b]:cu[b + 1], int64
+    cu_q: np.ndarray | None = None
+    cu_k: np.ndarray | None = None
+
+    # -- KV cache (`kvcache_args`); where each position lives: see `_kvcache`
+    k_cache: np.ndarray | None = None  # (pages, Hk, page_rows, D), the caller's dtype, written
+    v_cache: np.ndarray | None = None
+    new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`
+    new_v: np.ndarray | None = None
+    block_table: np.ndarray | None = None  # (batch, max_pages) int64
+    page_rows: int = 0
+    paged: bool = False  # the caller gave a block table
+    seqlens: np.ndarray | None = None  # (batch,) int64 filled positions, before the new keys
+    n_keys: np.ndarray | None = None  # (batch,) int64 keys attended to: seqlens + Nnew
+    num_splits: int = 0  # 0 = automatic
+
+    def __post_init__(self):
+        self.compute_dtype = compute_dtype(self.dtype)
+        self.half_kind = half_kind(self.dtype)
+        self.lse = np.empty(self.q.shape[:3], dtype=self.compute_dtype)
+        self.out_kernel = kernel_view(self.out_bhsd)
+        no_batch = np.zeros(self.batch, dtype=np.int64)
+        if self.bias is None:  # size 0: the kernels skip it
+            self.bias = np.zeros((0, 0, 0, 0), dtype=self.compute_dtype)
+            self.bias_map = no_batch
+        if self.mask is None:
+            self.mask = np.zeros((0, 0, 0, 0), dtype=np.bool_)
+            self.mask_map = no_batch
+        if self.sinks is None:
+            self.sinks = np.zeros(0, dtype=self.compute_dtype)
 
     def result(self, return_lse):
+        """What the public function returns: ``out``, or ``(out, lse)``."""
         if self.copy_back is not None:
             np.copyto(self.copy_back, self.out_user)
             out = self.copy_back
@@ -262,17 +340,41 @@ class AttentionCall:
         return out, self.lse.reshape(self.lse_shape)
 
 
+# -- steps every builder takes: arrays, dtypes, layout, flags, shapes, then these scalars. Each
+#    builder keeps its own order of checks, which decides the message when a call has several
+#    errors.
+
+def _dtypes(q, k, v, names=("q", "k", "v")):
+    """(input dtype, compute dtype) of q, k, v; see `input_dtype`."""
+    dtype = input_dtype(q, k, v, names)
+    return dtype, compute_dtype(dtype)
+
+
+def _layout(layout):
+    if layout not in LAYOUTS:
+        _fail(ValueError, f"`layout` must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _flags(causal, return_lse):
+    """Check both flags; returns `causal` as a bool."""
+    causal = flag("causal", causal)
+    flag("return_lse", return_lse)
+    return causal
+
+
+def _scalars(scale, window, softcap, causal, head_dim):
+    """(qk_scale, (left, right), softcap), checked."""
+    return scale_value(scale, head_dim), window_value(window, causal), softcap_value(softcap)
+
+
 def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                    alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
                    return_lse=False, out=None, tiles=None):
     """Validate the arguments of `cpuflash.attention` and build the kernel's view of them."""
     q, k, v = as_array("q", q), as_array("k", k), as_array("v", v)
-    dtype = input_dtype(q, k, v)
-    cdtype = compute_dtype(dtype)
-    if layout not in LAYOUTS:
-        _fail(ValueError, f"`layout` must be one of {LAYOUTS}, got {layout!r}")
-    causal = flag("causal", causal)
-    flag("return_lse", return_lse)
+    dtype, cdtype = _dtypes(q, k, v)
+    _layout(layout)
+    causal = _flags(causal, return_lse)
 
     # -- shapes: everything to (B, H, N, D)
     if layout == "bshd":
@@ -303,20 +405,16 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
     q4, k4, v4 = (x.reshape((batch,) + x.shape[-3:]) for x in (q4, k4, v4))
 
     # -- scalars
-    qk_scale = scale_value(scale, d)
-    left, right = window_value(window, causal)
-    softcap = softcap_value(softcap)
+    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
     tiles = tiles_value(tiles)
 
     # -- score modifiers
     alibi = alibi_value(alibi_slopes, lead, n_heads, cdtype)
     scores = (n_heads, n_q, n_k)
-    absent = _no_operand(batch, cdtype)
-    bias4, bias_map = absent["bias"], absent["bias_map"]
+    bias4 = bias_map = mask4 = mask_map = None
     if bias is not None:
         bias4, bias_map = broadcast_operand("bias", float_operand("bias", bias, cdtype),
                                             lead, scores)
-    mask4, mask_map = absent["mask"], absent["mask_map"]
     if mask is not None:
         mask = np.asarray(mask) if isinstance(mask, (list, tuple)) else as_array("mask", mask)
         if mask.dtype != np.bool_:
@@ -340,25 +438,22 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
         out_user = out_value(out, out_shape, dtype, (q, k, v))
         if out_user is not out:
             copy_back = out
-    out4 = np.swapaxes(out_user, 1, 2) if layout == "bshd" else out_user
-    out_kernel = reshaped_view(out4, (batch, n_heads, n_q, d_v))
-    if out_kernel is None:  # the user's strides cannot be flattened: write a copy, then copy it
+    heads_first = np.swapaxes(out_user, 1, 2) if layout == "bshd" else out_user
+    out_bhsd = reshaped_view(heads_first, (batch, n_heads, n_q, d_v))
+    if out_bhsd is None:  # the user's strides cannot be flattened: write a copy, then copy it
         copy_back = out_user
         out_user = np.empty(out_shape, dtype=dtype)
-        out4 = np.swapaxes(out_user, 1, 2) if layout == "bshd" else out_user
-        out_kernel = reshaped_view(out4, (batch, n_heads, n_q, d_v))
+        heads_first = np.swapaxes(out_user, 1, 2) if layout == "bshd" else out_user
+        out_bhsd = reshaped_view(heads_first, (batch, n_heads, n_q, d_v))
 
     return AttentionCall(
-        q=kernel_view(q4), k=kernel_view(k4), v=kernel_view(v4), out_kernel=kernel_view(out_kernel),
-        dtype=dtype, compute_dtype=cdtype, half_kind=half_kind(dtype),
-        lse=np.empty((batch, n_heads, n_q), dtype=cdtype), lse_shape=lse_shape,
-        out_user=out_user, copy_back=copy_back,
+        q=kernel_view(q4), k=kernel_view(k4), v=kernel_view(v4), dtype=dtype,
         batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q, n_k=n_k,
         head_dim=d, head_dim_v=d_v,
-        qk_scale=qk_scale, causal=causal, window=(left, right), softcap=softcap,
-        alibi=alibi, bias=bias4, bias_map=bias_map, mask=mask4, mask_map=mask_map,
-        sinks=sinks_arr, tiles=tiles,
-    )
+        qk_scale=qk_scale, softcap=softcap, alibi=alibi, bias=bias4, bias_map=bias_map,
+        causal=causal, window=window, mask=mask4, mask_map=mask_map, sinks=sinks_arr,
+        tiles=tiles,
+        out_user=out_user, out_bhsd=out_bhsd, copy_back=copy_back, lse_shape=lse_shape)
 
 
 def out_value(out, shape, dtype, inputs):
@@ -373,13 +468,6 @@ def out_value(out, shape, dtype, inputs):
     if any(np.may_share_memory(out, x) for x in inputs):
         return np.empty(shape, dtype=dtype)  # written, then copied over the inputs it aliases
     return out
-
-
-def _no_operand(batch, dtype):
-    """Empty bias and mask operands, for calls without them (the kernel sees their size 0)."""
-    no_batch = np.zeros(batch, dtype=np.int64)
-    return dict(bias=np.zeros((0, 0, 0, 0), dtype=dtype), bias_map=no_batch,
-                mask=np.zeros((0, 0, 0, 0), dtype=np.bool_), mask_map=no_batch)
 
 
 def cu_seqlens_value(name, cu, total, n_seqs=None):
@@ -408,36 +496,29 @@ def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, s
                 alibi_slopes, return_lse):
     """Validate `cpuflash.attention_varlen` and build the kernel's view of packed tokens."""
     q, k, v = as_array("q", q), as_array("k", k), as_array("v", v)
-    dtype = input_dtype(q, k, v)
-    cdtype = compute_dtype(dtype)
+    dtype, cdtype = _dtypes(q, k, v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 3:
             _fail(ValueError, f"`{name}` must be 3-D (total_tokens, heads, dim), "
                               f"got shape {x.shape}")
-    causal = flag("causal", causal)
-    flag("return_lse", return_lse)
+    causal = _flags(causal, return_lse)
     # (total, H, D) -> (1, H, total, D): a view, sequences are row ranges of the one "batch"
     q4, k4, v4 = (np.swapaxes(x, 0, 1)[None] for x in (q, k, v))
     n_heads, n_kv_heads, total_q, total_k, d, d_v = head_dims(q4, k4, v4)
     cu_q = cu_seqlens_value("cu_seqlens_q", cu_seqlens_q, total_q)
     cu_k = cu_seqlens_value("cu_seqlens_k", cu_seqlens_k, total_k, n_seqs=cu_q.size - 1)
     n_seqs = cu_q.size - 1
-    qk_scale = scale_value(scale, d)
-    left, right = window_value(window, causal)
-    softcap = softcap_value(softcap)
+    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
     alibi = alibi_value(alibi_slopes, (n_seqs,), n_heads, cdtype)
 
     out_user = np.empty((total_q, n_heads, d_v), dtype=dtype)
     return AttentionCall(
-        q=kernel_view(q4), k=kernel_view(k4), v=kernel_view(v4),
-        out_kernel=kernel_view(np.swapaxes(out_user, 0, 1)[None]),
-        dtype=dtype, compute_dtype=cdtype, half_kind=half_kind(dtype),
-        lse=np.empty((1, n_heads, total_q), dtype=cdtype), lse_shape=(n_heads, total_q),
-        out_user=out_user, copy_back=None, cu_q=cu_q, cu_k=cu_k,
+        q=kernel_view(q4), k=kernel_view(k4), v=kernel_view(v4), dtype=dtype,
         batch=n_seqs, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=total_q, n_k=total_k,
-        head_dim=d, head_dim_v=d_v, qk_scale=qk_scale, causal=causal, window=(left, right),
-        softcap=softcap, alibi=alibi, sinks=np.zeros(0, dtype=cdtype), tiles=None,
-        **_no_operand(n_seqs, cdtype))
+        head_dim=d, head_dim_v=d_v,
+        qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
+        out_user=out_user, out_bhsd=np.swapaxes(out_user, 0, 1)[None],
+        lse_shape=(n_heads, total_q), cu_q=cu_q, cu_k=cu_k)
 
 
 def int_array(name, x):
@@ -451,7 +532,7 @@ def int_array(name, x):
 def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window, softcap,
                  alibi_slopes, sinks, block_table, layout, num_splits, return_lse):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
-    checked, then written by `write_new_keys` once every check has passed."""
+    checked, then written by `_kvcache.write_new_keys` once every check has passed."""
     q = as_array("q", q)
     k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
     if (k is None) != (v is None):
@@ -461,15 +542,12 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     has_new = k is not None
     if has_new:
         k, v = as_array("k", k), as_array("v", v)
-    dtype = input_dtype(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    dtype, cdtype = _dtypes(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if has_new and not (k.dtype == v.dtype == dtype):
         _fail(TypeError, f"`k` and `v` must have the dtype of the cache ({dtype}), got "
                          f"{k.dtype} and {v.dtype}")
-    cdtype = compute_dtype(dtype)
-    if layout not in LAYOUTS:
-        _fail(ValueError, f"`layout` must be one of {LAYOUTS}, got {layout!r}")
-    causal = flag("causal", causal)
-    flag("return_lse", return_lse)
+    _layout(layout)
+    causal = _flags(causal, return_lse)
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
     arrays += [("k", k), ("v", v)] if has_new else []
     for name, x in arrays:
@@ -537,45 +615,25 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         _fail(TypeError, f"`num_splits` must be an int (0 = automatic), got {num_splits!r}")
     if num_splits < 0:
         _fail(ValueError, f"`num_splits` must be >= 0 (0 = automatic), got {num_splits}")
-    qk_scale = scale_value(scale, d)
-    left, right = window_value(window, causal)
-    softcap = softcap_value(softcap)
+    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
     alibi = alibi_value(alibi_slopes, (batch,), n_heads, cdtype)
     sinks_arr = sinks_value(sinks, n_heads, cdtype)
 
     if layout == "bshd":
         out_user = np.empty((batch, n_q, n_heads, d_v), dtype=dtype)
-        out4 = np.swapaxes(out_user, 1, 2)
+        out_bhsd = np.swapaxes(out_user, 1, 2)
     else:
-        out_user = out4 = np.empty((batch, n_heads, n_q, d_v), dtype=dtype)
+        out_user = out_bhsd = np.empty((batch, n_heads, n_q, d_v), dtype=dtype)
     return AttentionCall(
-        q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4), new_k=k4, new_v=v4,
-        k_cache_user=kc4, v_cache_user=vc4, out4=out4, out_kernel=kernel_view(out4),
-        dtype=dtype, compute_dtype=cdtype, half_kind=half_kind(dtype),
-        lse=np.empty((batch, n_heads, n_q), dtype=cdtype), lse_shape=(batch, n_heads, n_q),
-        out_user=out_user, copy_back=None, block_table=np.ascontiguousarray(table),
+        q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4), dtype=dtype,
+        batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q,
+        n_k=int(n_keys.max(initial=0)), head_dim=d, head_dim_v=d_v,
+        qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
+        sinks=sinks_arr,
+        out_user=out_user, out_bhsd=out_bhsd, lse_shape=(batch, n_heads, n_q),
+        k_cache=kc4, v_cache=vc4, new_k=k4, new_v=v4, block_table=np.ascontiguousarray(table),
         page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,
-        num_splits=int(num_splits), batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        n_q=n_q, n_k=int(n_keys.max(initial=0)), head_dim=d, head_dim_v=d_v,
-        qk_scale=qk_scale, causal=causal, window=(left, right), softcap=softcap, alibi=alibi,
-        sinks=sinks_arr, tiles=None, **_no_operand(batch, cdtype))
-
-
-def cache_slots(call, b, positions):
-    """(pages, rows) of key positions of batch entry b: index the cache as [pages, :, rows]."""
-    return call.block_table[b, positions // call.page_rows], positions % call.page_rows
-
-
-def write_new_keys(call):
-    """Write the validated new keys and values into the cache (in place), then forget them."""
-    if call.new_k is None:
-        return
-    n_new = call.new_k.shape[2]
-    for b in range(call.batch):
-        pages, rows = cache_slots(call, b, call.seqlens[b] + np.arange(n_new))
-        # (new, heads, dim) <- (heads, new, dim)
-        call.k_cache_user[pages, :, rows, :] = np.swapaxes(call.new_k[b], 0, 1)
-        call.v_cache_user[pages, :, rows, :] = np.swapaxes(call.new_v[b], 0, 1)
+        num_splits=int(num_splits))
 
 
 def merge_args(outs, lses):

@@ -3,7 +3,7 @@
 import numba
 import numpy as np
 
-from . import _schedule, _validate, tiling
+from . import _combine, _kvcache, _schedule, _validate, tiling
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
 
@@ -189,7 +189,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         block_table=block_table, layout=layout, num_splits=num_splits, return_lse=return_lse)
-    _validate.write_new_keys(call)
+    _kvcache.write_new_keys(call)  # every check has passed
     if not (call.n_q and call.batch):
         call.out_kernel[...] = 0
         call.lse[...] = -np.inf
@@ -199,7 +199,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         _run_decode(call)
     else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
         if call.paged:
-            call.k, call.v = _gather_pages(call)
+            call.k, call.v = _kvcache.gather_pages(call)
         seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
         seqs[:, 5] = call.n_keys
         _run_forward(call, seqs)
@@ -224,16 +224,7 @@ def merge_states(outs, lses):
     lse : (...) array
         ``log(sum_s exp(lse_s))``; ``-inf`` (and output 0) where no part saw a key.
     """
-    outs, lses = _validate.merge_args(outs, lses)
-    top = lses.max(axis=0)
-    shift = np.where(top == -np.inf, 0, top)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        weights = np.exp(lses - shift)
-        total = weights.sum(axis=0)
-        lse = shift + np.log(total)
-        out = np.einsum("s...,s...d->...d", weights, np.where(weights[..., None] > 0, outs, 0))
-        out = np.where(total[..., None] != 0, out / total[..., None], 0)
-    return out.astype(outs.dtype), lse.astype(lses.dtype)
+    return _combine.merge(*_validate.merge_args(outs, lses))
 
 
 def _run_decode(call):
@@ -249,26 +240,11 @@ def _run_decode(call):
            plan.block_k, call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi,
            part_out, part_lse)
     if plan.n_splits > 1:
-        out, lse = merge_states(part_out, part_lse)
+        out, lse = _combine.merge(part_out, part_lse)
     else:
         out, lse = part_out[0], part_lse[0]
     if call.sinks.size:
-        sink = call.sinks[None, :, None]
-        with_sink = np.logaddexp(lse, sink)
-        out = out * np.exp(lse - with_sink)[..., None]
-        lse = with_sink
+        out, lse = _combine.add_sinks(out, lse, call.sinks)
     call.lse[...] = lse
-    call.out4[...] = out  # rounds to a half-precision output dtype here
+    call.out_bhsd[...] = out  # rounds to a half-precision output dtype here
 
-
-def _gather_pages(call):
-    """The first n_keys[b] keys and values of each batch entry, copied out of their pages."""
-    n_max = int(call.n_keys.max())
-    gathered = []
-    for cache in (call.k_cache_user, call.v_cache_user):
-        dense = np.zeros((call.batch, cache.shape[1], n_max, cache.shape[3]), dtype=cache.dtype)
-        for b in range(call.batch):
-            pages, rows = _validate.cache_slots(call, b, np.arange(call.n_keys[b]))
-            dense[b, :, :call.n_keys[b]] = np.swapaxes(cache[pages, :, rows], 0, 1)
-        gathered.append(_validate.kernel_view(dense))
-    return gathered
