@@ -261,7 +261,7 @@ class AttentionCall:
 
     # -- inputs, as the kernels read them
     q: np.ndarray  # (batch, Hq, Nq, D)
-    k: np.ndarray  # (batch, Hk, Nk, D); the cache's pages with `block_table` (see `_kvcache`)
+    k: np.ndarray  # (batch, Hk, Nk, D); with a KV cache: its pages (see `_kvcache`)
     v: np.ndarray  # (batch, Hk, Nk, Dv), like `k`
     dtype: np.dtype  # of the inputs and of the result
     compute_dtype: np.dtype = dataclasses.field(init=False)  # derived: float64 or float32

@@ -265,8 +265,8 @@ IDLE = {"cpuflash": 80.0, "naive": 10.0, "sgemm": 100.0}
 
 def test_run_samples_the_ceiling_between_the_rounds(monkeypatch):
     """A neighbour's burst during the first case and the sgemm before it: the ceiling's samples
-    between the later rounds still find the machine idle (sampled once before the cases, as
-    before, it came out at a quarter and cpuflash at 320% of it)."""
+    between the later rounds still find the machine idle (sampled only before the cases, it
+    would come out at a quarter, and cpuflash at 320% of it)."""
     first = runner.case_label(RUN_CASES[0])
     timing = FakeTiming(monkeypatch, lambda role, case: case in (None, first), IDLE)
     steps = []
