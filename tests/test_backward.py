@@ -1,19 +1,23 @@
 """The attention backward (`cpuflash._backward.attention_backward`) against a dense float64
 reference of the gradients, itself checked against torch's autograd."""
 
+import numba
 import numpy as np
 import pytest
 
+import cpuflash
+from cpuflash._backward import attention_backward
 from cpuflash.reference import attention_reference
 
-from helpers import random_qkv
+from accuracy import tolerance
+from helpers import assert_same_bits, low_precision_dtype, negative, random_qkv
 
 
 # -- the dense reference of the gradients ---------------------------------------------------------
 
 def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, window=None,
                                  softcap=0.0, alibi_slopes=None, bias=None, mask=None,
-                                 sinks=None, layout="bhsd", dtype=np.float64):
+                                 sinks=None, layout="bhsd", dtype=np.float64, magnitudes=False):
     """The gradients of `attention_reference`'s output, densely, in `dtype`.
 
     Returns ``(dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` with `sinks`, shaped as q, k, v (and
@@ -26,6 +30,11 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
         dsinks_h = -sum_i exp(sink_h - lse_i) D_i,
 
     dK and dV summed over the query heads of each key/value head's group.
+
+    With ``magnitudes=True``, the same sums of absolute values instead, each probability
+    weighted by ``1 + |s| + |lse|`` (its rounding error is about eps times that): the size of
+    the terms whose rounding makes a gradient's error, which can be far larger than the
+    gradient where they cancel (one key: dS = dP - D is rounding noise around 0).
     """
     dtype = np.dtype(dtype)
     if layout == "bshd":  # (B, N, H, D) -> (B, H, N, D)
@@ -41,12 +50,18 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
     k_rep, v_rep = (np.repeat(x, group, axis=-3) if group > 1 else x for x in (k, v))
     t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
 
-    out = p @ v_rep
-    delta = (dout * out).sum(axis=-1, keepdims=True)
-    ds = p * (dout @ t(v_rep) - delta)
-    if softcap > 0:
+    chain = 1
+    if softcap > 0:  # d softcap(x) / dx
         tanh = np.tanh(q @ t(k_rep) * dtype.type(scale) / dtype.type(softcap))
-        ds = ds * (1 - tanh * tanh)
+        chain = 1 - tanh * tanh
+    out = p @ v_rep
+    if magnitudes:
+        with np.errstate(divide="ignore"):
+            s = np.where(p > 0, np.log(p) + lse[..., None], 0)
+        p = p * (1 + np.abs(s) + np.where(np.isfinite(lse), np.abs(lse), 0)[..., None])
+        q, k_rep, v_rep, dout, out = (np.abs(x) for x in (q, k_rep, v_rep, dout, out))
+    delta = (dout * out).sum(axis=-1, keepdims=True)
+    ds = p * (dout @ t(v_rep) + (delta if magnitudes else -delta)) * chain
     dq = dtype.type(scale) * (ds @ k_rep)
     dk = dtype.type(scale) * (t(ds) @ q)
     dv = t(p) @ dout
@@ -171,3 +186,196 @@ def test_reference_gradients_match_finite_differences(rng):
             minus[which][index] -= step
             numeric[index] = (loss(*plus) - loss(*minus)) / (2 * step)
         np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+# -- the accuracy rule ----------------------------------------------------------------------------
+
+def assert_gradients_close(got, dout, q, k, v, *, plain_dtype=None, **kwargs):
+    """flash-attn's rule for each gradient: its error against the oracle is at most twice that
+    of a plain implementation in the same precision (the dense reference computed in it), plus
+    a floor of a few roundings of the gradient's largest magnitude.
+
+    The oracle is the float64 reference (extended precision for float64 inputs). `dsinks` is
+    float32 by contract: its floor is float32's whatever the inputs.
+    """
+    dtype = np.dtype(q.dtype)
+    plain_dtype = plain_dtype or (np.float64 if dtype == np.float64 else np.float32)
+    oracle = np.longdouble if plain_dtype == np.float64 else np.float64
+    ref = attention_backward_reference(dout, q, k, v, dtype=oracle, **kwargs)
+    plain = attention_backward_reference(dout, q, k, v, dtype=plain_dtype, **kwargs)
+    sizes = attention_backward_reference(dout, q, k, v, magnitudes=True, **kwargs)
+    assert len(got) == len(ref)
+    for name, g, r, p, size, like in zip(("dq", "dk", "dv", "dsinks"), got, ref, plain, sizes,
+                                         (q, k, v, np.zeros(0, np.float32))):
+        assert g.shape == r.shape and g.dtype == like.dtype, \
+            f"{name}: {g.dtype}{g.shape}, expected {like.dtype}{r.shape}"
+        if not g.size:
+            continue
+        errors = np.abs(g.astype(oracle) - r)
+        plain_error = float(np.abs(p.astype(oracle) - r).max())
+        floor = tolerance(like.dtype) * np.abs(size)
+        excess = errors - (2 * plain_error + floor)
+        worst = np.unravel_index(np.argmax(excess), excess.shape)
+        assert excess[worst] <= 0, (
+            f"{name}: max error {errors.max():.3g} vs plain {plain_error:.3g}; at {worst} the "
+            f"error {errors[worst]:.3g} exceeds 2 x plain + floor = {2 * plain_error:.3g} + "
+            f"{float(floor[worst]):.3g}")
+
+
+def forward_and_backward(rng, q, k, v, dout_dtype=None, **kwargs):
+    """The forward's out and lse, a random dout, and the backward's result: (dout, grads)."""
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **kwargs)
+    dout = rng.standard_normal(out.shape).astype(dout_dtype or out.dtype)
+    return dout, attention_backward(dout, q, k, v, out, lse, **kwargs)
+
+
+def check(rng, q, k, v, plain_dtype=None, **kwargs):
+    dout, grads = forward_and_backward(rng, q, k, v, **kwargs)
+    assert_gradients_close(grads, dout, q, k, v, plain_dtype=plain_dtype, **kwargs)
+    return grads
+
+
+# -- every feature, on awkward sizes ----------------------------------------------------------------
+
+SIZES = [(1, 1), (3, 3), (1, 239), (113, 239), (239, 113), (3, 70)]
+
+
+@pytest.mark.parametrize("n_q,n_k", SIZES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sizes(rng, n_q, n_k, causal):
+    q, k, v = random_qkv(rng, (2, 4, n_q, 40), (2, 2, n_k, 40), d_v=24)
+    check(rng, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("d,d_v", [(40, 40), (59, 111), (111, 59), (256, 256), (1, 3)])
+def test_head_dims(rng, d, d_v):
+    q, k, v = random_qkv(rng, (1, 2, 113, d), (1, 2, 127, d), d_v=d_v)
+    check(rng, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(113, 239), (239, 113), (127, 127)])
+@pytest.mark.parametrize("window", [(0, 0), (5, 0), (40, 7), (-1, 3), (17, -1), (300, 300)])
+def test_windows(rng, n_q, n_k, window):
+    q, k, v = random_qkv(rng, (1, 4, n_q, 32), (1, 2, n_k, 32))
+    check(rng, q, k, v, window=window)
+    check(rng, q, k, v, window=window, causal=True)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(113, 239), (239, 113), (3, 70)])
+@pytest.mark.parametrize("case", ["softcap", "large_softcap", "alibi", "alibi_batch", "bias",
+                                  "mask", "sinks"])
+def test_modifiers(rng, n_q, n_k, case):
+    q, k, v = random_qkv(rng, (2, 4, n_q, 48), (2, 2, n_k, 48), d_v=40)
+    options = {
+        "softcap": dict(softcap=2.0, scale=0.5),
+        "large_softcap": dict(softcap=30.0),
+        "alibi": dict(alibi_slopes=rng.uniform(0.01, 0.5, 4).astype(np.float32)),
+        "alibi_batch": dict(alibi_slopes=rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32),
+                            causal=True),
+        "bias": dict(bias=rng.standard_normal((4, 1, n_k)).astype(np.float32)),
+        "mask": dict(mask=rng.random((2, 1, n_q, n_k)) < 0.8, window=(50, 10)),
+        "sinks": dict(sinks=rng.standard_normal(4).astype(np.float32), causal=True),
+    }[case]
+    if case == "large_softcap":
+        q *= 6
+    check(rng, q, k, v, **options)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_everything_at_once(rng, layout):
+    n_q, n_k, hq = 131, 203, 4
+    shape_q, shape_k = ((2, n_q, hq, 59), (2, n_k, 2, 59)) if layout == "bshd" else \
+        ((2, hq, n_q, 59), (2, 2, n_k, 59))
+    q, k, v = random_qkv(rng, shape_q, shape_k, d_v=40)
+    check(rng, q, k, v, layout=layout, causal=True, window=(60, -1), softcap=5.0, scale=0.3,
+          alibi_slopes=rng.uniform(0.01, 0.1, (2, hq)).astype(np.float32),
+          bias=rng.standard_normal((hq, 1, n_k)).astype(np.float32),
+          mask=rng.random((2, 1, n_q, n_k)) < 0.9,
+          sinks=rng.standard_normal(hq).astype(np.float32))
+
+
+@pytest.mark.parametrize("hq,hk", [(6, 1), (6, 3), (3, 3)])
+def test_gqa_and_mqa(rng, hq, hk):
+    q, k, v = random_qkv(rng, (2, hq, 100, 32), (2, hk, 150, 32), d_v=48)
+    check(rng, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("shapes", [((70, 24), (90, 24)), ((2, 3, 4, 50, 24), (2, 3, 2, 70, 24))],
+                         ids=["one_head", "two_leading_axes"])
+def test_leading_axes(rng, shapes):
+    q, k, v = random_qkv(rng, *shapes, d_v=16)
+    check(rng, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("which", ["float64", "float16", "bfloat16"])
+def test_dtypes(rng, which):
+    dtype = np.dtype(np.float64) if which == "float64" else low_precision_dtype(which)
+    q, k, v = random_qkv(rng, (2, 4, 113, 59), (2, 2, 203, 59), d_v=40, dtype=dtype)
+    options = dict(causal=True, alibi_slopes=np.full(4, 0.05, np.float32), softcap=20.0)
+    plain = None if which == "float64" else dtype  # the plain implementation in half precision
+    grads = check(rng, q, k, v, plain_dtype=plain, **options)
+    assert all(g.dtype == dtype for g in grads)
+
+
+def test_strided_inputs(rng):
+    """Transposed, sliced and negatively strided inputs give the bits of contiguous ones."""
+    q, k, v = random_qkv(rng, (2, 4, 90, 32), (2, 2, 110, 32), d_v=48)
+    options = dict(causal=True, softcap=4.0)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = attention_backward(dout, q, k, v, out, lse, **options)
+    wide = np.zeros((2, 4, 90, 64), np.float32)
+    wide[..., ::2] = q
+    strided = (negative(dout), np.asfortranarray(wide[..., ::2]), negative(k),
+               np.swapaxes(np.swapaxes(v, 2, 3).copy(), 2, 3), np.asfortranarray(out),
+               negative(lse))
+    assert_same_bits(attention_backward(*strided, **options), expected)
+
+
+# -- rows and keys that see nothing, empty inputs -----------------------------------------------
+
+def test_rows_that_see_no_key_get_zero_gradients(rng):
+    """Fully masked rows, rows before the first key (causal, Nq > Nk) and keys no row sees."""
+    q, k, v = random_qkv(rng, (1, 2, 120, 32), (1, 1, 100, 32))
+    mask = rng.random((120, 100)) < 0.7
+    mask[[0, 50, 119]] = False  # rows 0..19 see nothing by causality too
+    mask[:, [3, 60]] = False  # keys nobody sees
+    for sinks in (None, np.array([0.5, -0.5], np.float32)):
+        dout, grads = forward_and_backward(rng, q, k, v, causal=True, mask=mask, sinks=sinks)
+        dq, dk, dv = grads[:3]
+        assert not dq[:, :, list(range(20)) + [50, 119]].any()
+        assert not dk[:, :, [3, 60]].any() and not dv[:, :, [3, 60]].any()
+        assert_gradients_close(grads, dout, q, k, v, causal=True, mask=mask, sinks=sinks)
+
+
+@pytest.mark.parametrize("n_q,n_k,hq", [(0, 5, 2), (5, 0, 2), (0, 0, 2), (5, 5, 0)])
+def test_empty(rng, n_q, n_k, hq):
+    q, k, v = random_qkv(rng, (2, hq, n_q, 8), (2, 1, n_k, 8), d_v=4)
+    sinks = np.zeros(hq, np.float32)
+    dout, grads = forward_and_backward(rng, q, k, v, sinks=sinks)
+    for g, x in zip(grads, (q, k, v, sinks)):
+        assert g.shape == x.shape and not g.any()
+
+
+# -- determinism ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def restore_num_threads():
+    before = numba.get_num_threads()
+    yield
+    numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(40, 7), softcap=3.0),
+                                     dict(sinks=np.array([0.1, 0.2, 0.3, 0.4], np.float32))])
+def test_bits_do_not_depend_on_the_thread_count(rng, restore_num_threads, options):
+    q, k, v = random_qkv(rng, (2, 4, 230, 40), (2, 2, 250, 40), d_v=24)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    results = []
+    for threads in sorted({1, numba.config.NUMBA_NUM_THREADS, 2} - {0}):
+        if threads <= numba.config.NUMBA_NUM_THREADS:
+            numba.set_num_threads(threads)
+            results += [attention_backward(dout, q, k, v, out, lse, **options) for _ in range(2)]
+    for result in results[1:]:
+        assert_same_bits(result, results[0])

@@ -638,3 +638,236 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_k
             for x in range(out.shape[3]):
                 out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half_kind)
         lse[b, h, start + r] = m + math.log2(total) * LN2 if total != 0 else -np.inf
+
+
+# -- the backward's steps (`kernels/backward.py`): the score pipeline as one step, the
+#    probabilities and score gradients from the saved LSE, and the products with a transposed
+#    tile
+
+@jit
+def block_band(diag0, rows, kb, cols, left, right):
+    """``(inside, lo_off, hi_off)`` of the key block ``kb .. kb + cols - 1`` for `rows` query
+    rows from diagonal `diag0`: whether every row sees every key of it, and the band of tile
+    columns row r sees, ``r + lo_off .. r + hi_off`` (+-UNBOUNDED inside; see `qk_tile`)."""
+    inside = sees_all(diag0, rows, kb, cols, left, right)
+    lo_off = diag0 - kb - left if left >= 0 and not inside else -UNBOUNDED
+    hi_off = diag0 - kb + right if right >= 0 and not inside else UNBOUNDED
+    return inside, lo_off, hi_off
+
+
+@jit
+def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
+    """The score pipeline of one tile: ``scores = S`` of the queries of `q_tile` against the
+    key panels, every modifier in its place, -inf where a key is hidden.
+
+    ``at = (seq, h, q0, kb, diag0)`` places the tile, ``band = (inside, lo_off, hi_off, left,
+    right)`` is `block_band`'s and the window's, and ``mods = (qk_scale, softcap, alibi, bias,
+    bias_map, mask, mask_map)`` are the call's modifiers (as the forward kernel takes them).
+
+    `chain` receives the derivative of the final score by ``scale * q . k`` where it is not 1
+    (with a softcap), so a gradient step needs no knowledge of the modifiers: a modifier
+    with a gradient records its factor here, one place.
+    """
+    seq, h, q0, kb, diag0 = at
+    inside, lo_off, hi_off, left, right = band
+    qk_scale, softcap, alibi, bias, bias_map, mask, mask_map = mods
+    # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
+    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
+    qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
+    # -- modifiers, in the order of the score pipeline
+    if softcap > 0:
+        softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
+        softcap_chain_tile(scores, chain, rows, cols, softcap, lo_off, hi_off)
+    if alibi.shape[1] > 0:
+        alibi_tile(scores, rows, cols, alibi[seq, h], diag0 - kb, lo_off, hi_off)
+    if bias.shape[0] > 0:
+        add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
+    # -- visibility
+    if not inside:
+        band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off, hi_off)
+    if mask.shape[0] > 0:
+        bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
+
+
+@jit
+def softcap_chain_tile(scores, chain, rows, cols, cap, lo_off, hi_off):
+    """chain = 1 - (s / cap)^2 from the capped scores s = cap * tanh(x / cap): the derivative
+    of s by x, over each row's span."""
+    n = lanes(scores)
+    inverse, one = vsplat(1.0 / cap, scores), vsplat(1.0, scores)
+    minus_one = vsplat(-1.0, scores)
+    for r in range(rows):
+        base = r * scores.shape[1]
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, end, n):
+            t = vmul(vload(scores, base + c), inverse)
+            vstore(chain, base + c, vfma(vmul(minus_one, t), t, one))
+
+
+@jit
+def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, has_chain):
+    """From S and dP = dO V^T to P and dS, in place, with each row's saved log-sum-exp:
+
+        P = exp(S - lse) = exp2((S - lse) * log2(e)),   dS = P * (dP - delta)  (* chain)
+
+    with ``delta = rowsum(dO * O)``. The difference first, as the forward's softmax takes it.
+    Both tiles are 0 in every column of a row outside its span (see `row_span`) and past
+    `cols`, and everywhere in a row that sees no key at all (lse -inf), so the products that
+    follow may read any column of any row (`pv_tile`, `tn_tile`).
+    """
+    n = lanes(scores)
+    sw = scores.shape[1]
+    width = round_up(cols, n)
+    log2e, zeros = vsplat(LOG2E, scores), vzeros(scores)
+    for r in range(rows):
+        base = r * sw
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        if first >= end or lse[r] == -np.inf:  # sees no key here, or none at all (no sink)
+            first = end = 0
+        for c in range(0, first, n):
+            vstore(scores, base + c, zeros)
+            vstore(dp, base + c, zeros)
+        for c in range(end, width, n):
+            vstore(scores, base + c, zeros)
+            vstore(dp, base + c, zeros)
+        row_lse, row_delta = vsplat(lse[r], scores), vsplat(delta[r], scores)
+        for c in range(first, end, n):
+            p = vexp2(vmul(vsub(vload(scores, base + c), row_lse), log2e))
+            ds = vmul(p, vsub(vload(dp, base + c), row_delta))
+            if has_chain:
+                ds = vmul(ds, vload(chain, base + c))
+            vstore(scores, base + c, p)
+            vstore(dp, base + c, ds)
+        for c in range(max(first, cols), end):  # the padding past the block
+            scores[r, c] = 0.0
+            dp[r, c] = 0.0
+
+
+@jit
+def tn_tile(a, b_rows, acc, rows, cols, lo_off, hi_off):
+    """acc[c] += sum_r a[r, c] * b_rows[r] for the tile's columns c < cols: ``A^T B`` (dV += P^T
+    dO, dK += dS^T Q), ROWS columns x two vectors at a time (four with 32 vector registers).
+
+    The pv micro-kernels with the roles of rows and columns of `a` swapped: the broadcasts
+    read ROWS neighbours of one row of `a`. Column c is seen by the rows ``c - hi_off ..
+    c - lo_off`` (see `qk_tile`); a group of columns sums over the rows that see one of them,
+    `a` being 0 elsewhere (`probs_and_grads`). `b_rows` is as wide as `acc`.
+    """
+    w = 2 * lanes(acc)
+    full = cols - cols % ROWS
+    for x0 in range(0, acc.shape[1], 2 * w if WIDE else w):  # (ranges: see `qk_tile`)
+        wide = WIDE and x0 + w < acc.shape[1]
+        for c in range(0, full, ROWS):
+            row0, row1 = max(0, c - hi_off), min(rows, c + ROWS - lo_off)
+            if wide:
+                _tn_micro6w(a, c, b_rows, x0, acc, row0, row1)
+            else:
+                _tn_micro6(a, c, b_rows, x0, acc, row0, row1)
+        for c in range(full, cols):
+            row0, row1 = max(0, c - hi_off), min(rows, c + 1 - lo_off)
+            _tn_micro1(a, c, b_rows, x0, acc, row0, row1)
+            if wide:
+                _tn_micro1(a, c, b_rows, x0 + w, acc, row0, row1)
+
+
+@jit
+def _tn_micro6(a, c, b_rows, x0, acc, row0, row1):
+    """Six columns of `a` x two vectors of output columns, summed over rows row0 .. row1 - 1."""
+    n = lanes(acc)
+    bw, aw = acc.shape[1], a.shape[1]
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
+    for r in range(row0, row1):
+        v0 = vload(b_rows, r * bw + x0)
+        v1 = vload(b_rows, r * bw + x0 + n)
+        p = r * aw + c
+        s = vbroadcast(a, p)
+        a0, a1 = vfma(s, v0, a0), vfma(s, v1, a1)
+        s = vbroadcast(a, p + 1)
+        b0, b1 = vfma(s, v0, b0), vfma(s, v1, b1)
+        s = vbroadcast(a, p + 2)
+        c0, c1 = vfma(s, v0, c0), vfma(s, v1, c1)
+        s = vbroadcast(a, p + 3)
+        d0, d1 = vfma(s, v0, d0), vfma(s, v1, d1)
+        s = vbroadcast(a, p + 4)
+        e0, e1 = vfma(s, v0, e0), vfma(s, v1, e1)
+        s = vbroadcast(a, p + 5)
+        f0, f1 = vfma(s, v0, f0), vfma(s, v1, f1)
+    o = c * bw + x0
+    _add_two(acc, o, a0, a1)
+    _add_two(acc, o + bw, b0, b1)
+    _add_two(acc, o + 2 * bw, c0, c1)
+    _add_two(acc, o + 3 * bw, d0, d1)
+    _add_two(acc, o + 4 * bw, e0, e1)
+    _add_two(acc, o + 5 * bw, f0, f1)
+
+
+@jit
+def _tn_micro6w(a, c, b_rows, x0, acc, row0, row1):
+    """Six columns of `a` x four vectors in 24 registers. Same sums, in the same order, as
+    `_tn_micro6`."""
+    n = lanes(acc)
+    bw, aw = acc.shape[1], a.shape[1]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
+    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
+    for r in range(row0, row1):
+        row = r * bw + x0
+        v0, v1 = vload(b_rows, row), vload(b_rows, row + n)
+        v2, v3 = vload(b_rows, row + 2 * n), vload(b_rows, row + 3 * n)
+        p = r * aw + c
+        s = vbroadcast(a, p)
+        a0, a1, a2, a3 = vfma(s, v0, a0), vfma(s, v1, a1), vfma(s, v2, a2), vfma(s, v3, a3)
+        s = vbroadcast(a, p + 1)
+        b0, b1, b2, b3 = vfma(s, v0, b0), vfma(s, v1, b1), vfma(s, v2, b2), vfma(s, v3, b3)
+        s = vbroadcast(a, p + 2)
+        c0, c1, c2, c3 = vfma(s, v0, c0), vfma(s, v1, c1), vfma(s, v2, c2), vfma(s, v3, c3)
+        s = vbroadcast(a, p + 3)
+        d0, d1, d2, d3 = vfma(s, v0, d0), vfma(s, v1, d1), vfma(s, v2, d2), vfma(s, v3, d3)
+        s = vbroadcast(a, p + 4)
+        e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
+        s = vbroadcast(a, p + 5)
+        f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
+    o = c * bw + x0
+    for col, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
+                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+        _add_two(acc, o + col * bw, t0, t1)
+        _add_two(acc, o + col * bw + 2 * n, t2, t3)
+
+
+@jit
+def _tn_micro1(a, c, b_rows, x0, acc, row0, row1):
+    """One column of `a` x two vectors: the remainder columns of a tile."""
+    n = lanes(acc)
+    bw, aw = acc.shape[1], a.shape[1]
+    a0 = a1 = vzeros(acc)
+    for r in range(row0, row1):
+        s = vbroadcast(a, r * aw + c)
+        a0 = vfma(s, vload(b_rows, r * bw + x0), a0)
+        a1 = vfma(s, vload(b_rows, r * bw + x0 + n), a1)
+    _add_two(acc, c * bw + x0, a0, a1)
+
+
+@jit
+def _add_two(acc, o, t0, t1):
+    """acc[o : o + 2 vectors] += (t0, t1): a tile's sum joins the running sum once."""
+    n = lanes(acc)
+    vstore(acc, o, vadd(vload(acc, o), t0))
+    vstore(acc, o + n, vadd(vload(acc, o + n), t1))
+
+
+@jit
+def store_rows(acc, rows, mult, dst, b, h, start, half_kind):
+    """dst[b, h, start + r, :] = mult * acc[r, :D] for r < rows, rounded once to dst's dtype
+    (whole vectors where `dst`'s rows allow, the same bits either way)."""
+    n = lanes(acc)
+    mult = like_dtype(mult, acc)
+    if vector_rows(dst, n):
+        scale = vsplat(mult, acc)
+        for r in range(rows):
+            o = row_offset(dst, b, h, start + r)
+            for x in range(0, dst.shape[3], n):
+                store_narrowed(dst, o + x, vmul(scale, vload(acc, r * acc.shape[1] + x)),
+                               half_kind)
+        return
+    for r in range(rows):
+        for x in range(dst.shape[3]):
+            dst[b, h, start + r, x] = narrow(acc[r, x] * mult, dst.dtype, half_kind)

@@ -1,0 +1,222 @@
+"""The attention backward: the caller's arrays in, the gradients out.
+
+The forward's validation (`_validate.attention_args`) reads q, k, v and the modifiers; this
+module checks what only the backward takes (`dout`, `out`, `lse` and the optional `dq`, `dk`,
+`dv`), deals the two passes' work items to the threads, runs `kernels.backward.fa2_backward`
+and adds the sinks' gradient.
+"""
+
+import dataclasses
+
+import numba
+import numpy as np
+
+from . import _schedule, _validate, tiling
+from .kernels._band import (ITEM_COLUMNS, ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_N_K, SEQ_N_Q,
+                            visible_keys)
+from .kernels.backward import fa2_backward
+
+__all__ = ["attention_backward"]
+
+# The backward's tiles (block_q query rows x block_k keys, in both passes). They do not depend
+# on the thread count, so neither do the sums. TODO(tiling): measured choice per head dim, in
+# `tiling` (the one home of tile sizes).
+BLOCK_Q = 96
+BLOCK_K = 96
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
+                       softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None,
+                       layout="bhsd", dq=None, dk=None, dv=None):
+    """Gradients of `cpuflash.attention` with respect to q, k, v (and sinks).
+
+    Parameters
+    ----------
+    dout : array shaped like `out`
+        The gradient of the loss with respect to the attention output.
+    q, k, v : arrays
+        The forward's inputs, as `cpuflash.attention` takes them.
+    out : (..., Hq, Nq, Dv) array (``(B, Nq, Hq, Dv)`` with ``"bshd"``)
+        The forward's output for the same arguments.
+    lse : (..., Hq, Nq) array (``(B, Hq, Nq)`` with ``"bshd"``)
+        The forward's log-sum-exp (``return_lse=True``).
+    causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout
+        The forward's keywords, unchanged. `alibi_slopes`, `bias` and `mask` are constants (no
+        gradient).
+    dq, dk, dv : arrays, optional
+        Where to write the gradients (the shapes and dtypes of q, k, v); returned.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes, layout and dtypes of q, k, v
+        With GQA, dk and dv sum over the query heads of each key/value head's group.
+    dsinks : (Hq,) float32 array, only when `sinks` is given
+
+    Notes
+    -----
+    The gradients are those of the score pipeline, softcap's tanh included. float16 and
+    bfloat16 accumulate in float32 and are rounded once. Rows that see no key get zero
+    gradients. Bitwise identical results whatever the thread count; extra memory O(N).
+    """
+    q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
+    call = _validate.attention_args(
+        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
+        return_lse=True)
+    grads = gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
+    delta = np.zeros_like(grads.lse)  # rowsum(dout * out), written by the kernel
+    if call.batch and call.n_heads and (call.n_q or call.n_k):
+        _run_backward(call, grads, delta)
+    else:  # nothing to sum: zero gradients (dk, dv of kv heads without query heads too)
+        for grad in grads.kernel:
+            grad[...] = 0
+    result = grads.result()
+    if call.sinks.size:
+        result += (_sink_gradient(call.sinks, grads.lse, delta),)
+    return result
+
+
+@dataclasses.dataclass(slots=True, kw_only=True, eq=False)
+class GradientCall:
+    """What the backward adds to the forward's `AttentionCall`: its extra inputs as (batch,
+    heads, rows, dim) arrays, and the three gradients, for the kernel and for the caller."""
+
+    dout: np.ndarray  # (batch, Hq, Nq, Dv), the caller's dtype
+    out: np.ndarray  # (batch, Hq, Nq, Dv), the caller's dtype
+    lse: np.ndarray  # (batch, Hq, Nq), the compute dtype, C order
+    kernel: tuple  # (dq, dk, dv) as the kernel writes them (uint16 bits for half precision)
+    user: tuple  # (dq, dk, dv) in the caller's shapes
+    copy_back: tuple  # per gradient: the caller's array to copy `user` into, or None
+
+    def result(self):
+        """``(dq, dk, dv)``, the caller's arrays where given."""
+        grads = []
+        for user, target in zip(self.user, self.copy_back):
+            if target is not None:
+                np.copyto(target, user)
+                user = target
+            grads.append(user)
+        return tuple(grads)
+
+
+def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
+    """Check the backward's own arguments against the validated forward `call` (raising before
+    anything is written) and build their kernel views."""
+    out_shape, dtype = call.out_user.shape, call.dtype
+    views = {}
+    for name, x in (("dout", dout), ("out", out)):
+        x = _validate.as_array(name, x)
+        if x.dtype != dtype:
+            _validate._fail(TypeError, f"`{name}` must have dtype {dtype} (that of `q`), got "
+                                       f"{x.dtype}")
+        if x.shape != out_shape:
+            _validate._fail(ValueError, f"`{name}` must have the shape of the attention output "
+                                        f"{out_shape}, got {x.shape}")
+        views[name] = x
+    lse = _validate.as_array("lse", lse)
+    if lse.dtype.kind != "f":
+        _validate._fail(TypeError, f"`lse` must be a float array (the forward's log-sum-exp), "
+                                   f"got dtype {lse.dtype}")
+    if lse.shape != call.lse_shape:
+        _validate._fail(ValueError, f"`lse` must have shape {call.lse_shape}, got {lse.shape}")
+    inputs = list(qkv) + [views["dout"], views["out"], lse]
+
+    given = []
+    for name, x, like in (("dq", dq, qkv[0]), ("dk", dk, qkv[1]), ("dv", dv, qkv[2])):
+        if x is not None:
+            x = _validate.as_array(name, x)
+            if x.shape != like.shape:
+                _validate._fail(ValueError, f"`{name}` must have shape {like.shape} (that of "
+                                            f"`{name[1]}`), got {x.shape}")
+            if x.dtype != dtype:
+                _validate._fail(TypeError, f"`{name}` must have dtype {dtype}, got {x.dtype}")
+            if not x.flags.writeable:
+                _validate._fail(ValueError, f"`{name}` must be writeable, got a read-only array")
+        given.append(x)
+
+    heads = (call.n_heads, call.n_kv_heads, call.n_kv_heads)
+    rows = (call.n_q, call.n_k, call.n_k)
+    dims = (call.head_dim, call.head_dim, call.head_dim_v)
+    kernel, user, copy_back = [], [], []
+    for i, (x, like) in enumerate(zip(given, qkv)):
+        others = inputs + [g for j, g in enumerate(given) if j != i and g is not None]
+        target = None
+        if x is None or any(np.may_share_memory(x, y) for y in others):
+            target, x = x, np.empty(like.shape, dtype=dtype)
+        shape4 = (call.batch, heads[i], rows[i], dims[i])
+        view = _validate.reshaped_view(_heads_first(x, layout), shape4)
+        if view is None:  # strides that cannot be flattened: write a copy, then copy it over
+            target, x = x if target is None else target, np.empty(like.shape, dtype=dtype)
+            view = _validate.reshaped_view(_heads_first(x, layout), shape4)
+        kernel.append(_validate.kernel_view(view))
+        user.append(x)
+        copy_back.append(target)
+
+    batch_shape = (call.batch, call.n_heads, call.n_q)
+    return GradientCall(
+        dout=_heads_first(views["dout"], layout, call.batch),
+        out=_heads_first(views["out"], layout, call.batch),
+        lse=np.ascontiguousarray(lse.reshape(batch_shape), dtype=call.compute_dtype),
+        kernel=tuple(kernel), user=tuple(user), copy_back=tuple(copy_back))
+
+
+def _heads_first(x, layout, batch=None):
+    """`x` read as (heads, rows, dim) after its leading axes, as `attention_args` reads q;
+    with `batch`, the leading axes flattened to one (a copy where the strides need it)."""
+    if layout == "bshd":
+        x = np.swapaxes(x, 1, 2)
+    elif x.ndim < 3:
+        x = x[None]
+    return x if batch is None else x.reshape((batch,) + x.shape[-3:])
+
+
+def _sink_gradient(sinks, lse, delta):
+    """``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * delta[b, h, i]`` (float32):
+    a sink adds ``exp(sink)`` to every denominator of its head, and nothing else."""
+    share = np.exp(sinks.astype(np.float64)[None, :, None] - lse.astype(np.float64))
+    return (-(share * delta).sum(axis=(0, 2))).astype(np.float32)
+
+
+def _run_backward(call, grads, delta):
+    """Choose tiles, deal both passes' work items to the threads and run the kernel."""
+    n_threads = numba.get_num_threads()
+    tiles = tiling.clamp_tiles(tiling.TileConfig(BLOCK_Q, BLOCK_K), call.n_q, call.n_k)
+    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
+                                           tiles.block_k)
+    q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
+    k_items, k_cost = key_items(seqs, call.n_kv_heads, call.n_heads // call.n_kv_heads,
+                                tiles.block_k, tiles.block_q, call.window)
+    k_items, k_chunks = _schedule.balance(k_items, k_cost, n_threads)
+
+    kernel = fa2_backward.specialize((call.q.dtype, call.compute_dtype))
+    left, right = call.window
+    dq, dk, dv = grads.kernel
+    kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
+           _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, seqs, q_items,
+           q_chunks, k_items, k_chunks, tiles.block_q, tiles.block_k, call.qk_scale,
+           call.softcap, left, right, call.half_kind, call.alibi, call.bias, call.bias_map,
+           call.mask, call.mask_map)
+
+
+def key_items(seqs, n_kv_heads, group, block_k, block_q, window):
+    """The key pass's work items, (sequence, kv head, first key of the block), and the number of
+    query-key pairs each may see (over the `group` query heads it visits; query tiles start at
+    multiples of `block_q`, as in the kernel). TODO(_schedule): the twin of
+    `_schedule.work_items`."""
+    n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
+    blocks = -(-n_k // block_k)
+    seq = np.repeat(np.arange(len(seqs)), blocks)
+    first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    k0 = first * block_k
+    cols = np.minimum(block_k, n_k[seq] - k0)
+    # the query rows that see a key of the block: `visible_keys` from the keys' side
+    left, right = window
+    q_lo, q_hi = visible_keys(k0 - (n_k[seq] - n_q[seq]), cols, n_q[seq], right, left, block_q)
+    pairs = cols * np.maximum(0, q_hi - q_lo) * group
+
+    items = np.empty((len(seq) * n_kv_heads, ITEM_COLUMNS), dtype=np.int64)
+    items[:, ITEM_SEQ] = np.repeat(seq, n_kv_heads)
+    items[:, ITEM_HEAD] = np.tile(np.arange(n_kv_heads), len(seq))
+    items[:, ITEM_Q0] = np.repeat(k0, n_kv_heads)
+    return items, np.repeat(pairs, n_kv_heads) + _schedule.ITEM_OVERHEAD

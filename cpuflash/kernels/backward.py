@@ -1,0 +1,240 @@
+"""The FlashAttention-2 backward kernel.
+
+Given the forward's log-sum-exp `lse` and ``delta = rowsum(dO * O)`` of each query row, the
+probabilities of a tile are rebuilt from the scores alone, ``P = exp(S - lse)`` (no running max:
+the LSE is final), and the gradients follow tile by tile:
+
+    dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ += dS K,   dK += dS^T Q
+
+(the scale, and a softcap's derivative through `_steps.score_tile`'s chain factor, in their
+places). Two passes, each summing in a fixed order with no atomics, so the bits do not depend
+on the thread count:
+
+* **the key pass**: one work item is one key block of one (sequence, kv head). It owns the
+  block's dK and dV and visits, for each query head of the kv head's group in turn, the query
+  tiles that see some key of the block (a GQA group's sum stays inside one item);
+* **the query pass**: one work item is one query tile of one (sequence, head), as in the
+  forward; it owns the tile's dQ and visits the key blocks the tile sees.
+
+Both rebuild S and dP (seven tile products for the five of a single pass), which buys one work
+item per key block and per query tile rather than one per (sequence, kv head). Blocks that no
+row can see (causal, windows) are never visited.
+
+The tiles are laid out as the forward's (`_steps`): rows are query rows in both passes, so the
+score pipeline is the forward's steps in the forward's orientation, and the products that sum
+over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile transposed.
+
+Sequences and work items are described by the forward's tables (`_band.SEQ_*`,
+`_band.ITEM_*`); in the key pass an item's ``ITEM_HEAD`` is a kv head and ``ITEM_Q0`` the
+first key of its block.
+"""
+
+import numpy as np
+from numba import prange, types
+
+from .._jit import Kernel, array, jit
+from .._simd import vfma, vhsum, vload, vzeros
+from . import _steps
+from ._band import (ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_K_START,
+                    SEQ_N_K, SEQ_N_Q, SEQ_Q_START)
+
+
+def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, seqs, q_items, q_chunks, k_items,
+                  k_chunks, block_q, block_k, qk_scale, softcap, left, right, half_kind, alibi,
+                  bias, bias_map, mask, mask_map):
+    d = q.shape[3]
+    d_v = v.shape[3]
+    group = q.shape[1] // k.shape[1]
+    cdtype = lse.dtype
+    mods = (qk_scale, softcap, alibi, bias, bias_map, mask, mask_map)
+    has_chain = softcap > 0
+
+    # ---- delta = rowsum(dO * O) of every query row, which both passes read
+    for chunk in prange(q_chunks.shape[0] - 1):
+        do_rows, o_rows = _rows_buffer(block_q, d_v, lse), _rows_buffer(block_q, d_v, lse)
+        for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
+            seq, h, q0 = q_items[item, ITEM_SEQ], q_items[item, ITEM_HEAD], q_items[item, ITEM_Q0]
+            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
+                                     seqs[seq, SEQ_N_Q])
+            _store_deltas(dout, out, batch_q, h, q_start + q0, min(block_q, n_q - q0), do_rows,
+                          o_rows, delta, half_kind)
+
+    # ---- the key pass: dK, dV of one key block, summed over the query tiles that see it
+    for chunk in prange(k_chunks.shape[0] - 1):
+        # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
+        # products), K and V as panels, S/P, dP/dS, the chain factor, dK and dV
+        q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
+            block_q, block_k, d, d_v, lse)
+        q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
+        dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
+        lse_rows = np.empty(block_q, dtype=cdtype)
+        delta_rows = np.empty(block_q, dtype=cdtype)
+
+        for item in range(k_chunks[chunk], k_chunks[chunk + 1]):
+            seq, hk, k0 = k_items[item, ITEM_SEQ], k_items[item, ITEM_HEAD], k_items[item, ITEM_Q0]
+            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
+                                     seqs[seq, SEQ_N_Q])
+            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
+                                     seqs[seq, SEQ_N_K])
+            cols = min(block_k, n_k - k0)
+            shift = n_k - n_q  # bottom-right alignment: query row i sits over key i + shift
+
+            # -- the query tiles that see a key of this block: `visible_keys` from the keys'
+            # side (key j is seen by the rows j - shift - right .. j - shift + left), tiles at
+            # multiples of block_q
+            q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
+
+            # -- this block's keys and values, once for every query head of the group
+            _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
+            _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
+            dk_acc[:cols, :] = 0.0
+            dv_acc[:cols, :] = 0.0
+
+            for h in range(hk * group, (hk + 1) * group):
+                for q0 in range(q_lo, q_hi, block_q):
+                    rows = min(block_q, n_q - q0)
+                    diag0 = q0 + shift
+                    inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
+                                                               right)
+                    band = (inside, lo_off, hi_off, left, right)
+                    _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
+                                     q_tile, do_tile, lse_rows, delta_rows, half_kind)
+                    q_rows[:rows, :d] = q_tile[:rows]
+                    do_rows[:rows, :d_v] = do_tile[:rows]
+
+                    # -- S: the forward's score pipeline; dP = dO V^T
+                    _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
+                                      (seq, h, q0, k0, diag0), band, mods)
+                    _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+
+                    # -- P = exp(S - lse), dS = P (dP - delta)
+                    _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
+                                           lo_off, hi_off, has_chain)
+
+                    # -- dV += P^T dO, dK += dS^T Q
+                    _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
+                    _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+
+            # -- each row of dK and dV written once
+            _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0, half_kind)
+            _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
+
+    # ---- the query pass: dQ of one query tile, summed over the key blocks it sees
+    for chunk in prange(q_chunks.shape[0] - 1):
+        q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
+            block_q, block_k, d, d_v, lse)
+        k_rows, dq_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
+        lse_rows = np.empty(block_q, dtype=cdtype)
+        delta_rows = np.empty(block_q, dtype=cdtype)
+        ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
+
+        for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
+            seq, h, q0 = q_items[item, ITEM_SEQ], q_items[item, ITEM_HEAD], q_items[item, ITEM_Q0]
+            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
+                                     seqs[seq, SEQ_N_Q])
+            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
+                                     seqs[seq, SEQ_N_K])
+            hk = h // group
+            rows = min(block_q, n_q - q0)
+            diag0 = q0 + n_k - n_q
+
+            # -- the keys some row of this tile sees, in blocks at multiples of block_k
+            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+
+            _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
+                             do_tile, lse_rows, delta_rows, half_kind)
+            dq_acc[:rows, :] = 0.0
+
+            for kb in range(k_lo, k_hi, block_k):
+                cols = min(block_k, k_hi - kb)
+                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+                band = (inside, lo_off, hi_off, left, right)
+
+                # -- the block's keys (as panels and as rows) and values
+                _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
+                _steps.pack_rows(k, batch_k, hk, k_start + kb, cols, k_rows, half_kind)
+                _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+
+                # -- S and dP, as in the key pass
+                _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
+                                  (seq, h, q0, kb, diag0), band, mods)
+                _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+
+                # -- P and dS
+                _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
+                                       lo_off, hi_off, has_chain)
+
+                # -- dQ += dS K
+                _steps.pv_tile(dp, k_rows, dq_acc, ones, rows, cols, lo_off, hi_off)
+
+            _steps.store_rows(dq_acc, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+
+
+@jit
+def _score_buffers(block_q, block_k, d, d_v, like):
+    """Zeroed tiles of one thread for the scores and dP, in `like`'s dtype: q_tile, do_tile
+    (block_q rows), k_panels, v_panels (block_k keys), and three (block_q, keys) tiles: S/P,
+    dP/dS and the chain factor."""
+    dtype = like.dtype
+    width = 2 * _steps.lanes(like)
+    keys = _steps.round_up(block_k, width)
+    return (np.zeros((block_q, d), dtype=dtype), np.zeros((block_q, d_v), dtype=dtype),
+            np.zeros((keys // width, d, width), dtype=dtype),
+            np.zeros((keys // width, d_v, width), dtype=dtype),
+            np.zeros((block_q, keys), dtype=dtype), np.zeros((block_q, keys), dtype=dtype),
+            np.zeros((block_q, keys), dtype=dtype))
+
+
+@jit
+def _rows_buffer(n_rows, dim, like):
+    """A zeroed (rows rounded up to a key panel, dim rounded up to two vectors) tile: rows of
+    an operand or an accumulator of the products (`pv_tile`, `tn_tile`), whose padding
+    columns stay 0."""
+    width = 2 * _steps.lanes(like)
+    return np.zeros((_steps.round_up(n_rows, width), _steps.round_up(dim, width)),
+                    dtype=like.dtype)
+
+
+@jit
+def _store_deltas(dout, out, b, h, start, rows, do_rows, o_rows, delta, half_kind):
+    """delta[b, h, start + r] = dout[b, h, start + r] . out[b, h, start + r] for r < rows, in
+    the compute dtype, summed in the same order whatever the strides of dout and out."""
+    _steps.pack_rows(dout, b, h, start, rows, do_rows, half_kind)
+    _steps.pack_rows(out, b, h, start, rows, o_rows, half_kind)
+    n, width = _steps.lanes(do_rows), do_rows.shape[1]
+    for r in range(rows):
+        total = vzeros(do_rows)
+        for x in range(r * width, (r + 1) * width, n):
+            total = vfma(vload(do_rows, x), vload(o_rows, x), total)
+        delta[b, h, start + r] = vhsum(total)
+
+
+@jit
+def _load_query_tile(q, dout, lse, delta, b, h, start, rows, q_tile, do_tile, lse_rows,
+                     delta_rows, half_kind):
+    """The rows start .. start + rows - 1 of query head h: its queries, output gradients,
+    log-sum-exps and deltas, widened to the compute dtype."""
+    _steps.pack_rows(q, b, h, start, rows, q_tile, half_kind)
+    _steps.pack_rows(dout, b, h, start, rows, do_tile, half_kind)
+    for r in range(rows):
+        lse_rows[r] = lse[b, h, start + r]
+        delta_rows[r] = delta[b, h, start + r]
+
+
+def _signature(key):
+    dtype, compute = key
+    data = array(dtype, 4, readonly=True)
+    grad = array(dtype, 4)
+    per_row = array(compute, 3, readonly=True)
+    delta = array(compute, 3)
+    index2 = array(np.int64, 2, readonly=True)
+    index1 = array(np.int64, 1, readonly=True)
+    i8, f8 = types.int64, types.float64
+    return types.void(
+        data, data, data, data, data, per_row, delta, grad, grad, grad,
+        index2, index2, index1, index2, index1, i8, i8, f8, f8, i8, i8, i8,
+        array(compute, 2, readonly=True), array(compute, 4, readonly=True), index1,
+        array(np.bool_, 4, readonly=True), index1)
+
+
+fa2_backward = Kernel(_fa2_backward, _signature, "attention backward")
