@@ -379,3 +379,79 @@ def test_bits_do_not_depend_on_the_thread_count(rng, restore_num_threads, option
             results += [attention_backward(dout, q, k, v, out, lse, **options) for _ in range(2)]
     for result in results[1:]:
         assert_same_bits(result, results[0])
+
+
+# -- outputs given by the caller ------------------------------------------------------------------
+
+def test_gradients_written_in_place(rng):
+    q, k, v = random_qkv(rng, (2, 3, 2, 40, 16), (2, 3, 1, 50, 16), d_v=8)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = attention_backward(dout, q, k, v, out, lse, causal=True)
+    # a Fortran-ordered dq (its leading axes cannot be flattened without a copy), a dk read
+    # through negative strides, a C-ordered dv
+    given = (np.asfortranarray(np.full_like(q, np.nan)), negative(np.full_like(k, np.nan)),
+             np.full_like(v, np.nan))
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, dq=given[0], dk=given[1],
+                             dv=given[2])
+    assert all(g is x for g, x in zip(got, given))
+    assert_same_bits(got, expected)
+
+
+def test_gradients_written_over_inputs(rng):
+    """dq=q (and dv=dout): the inputs are read in full before a gradient is written."""
+    q, k, v = random_qkv(rng, (1, 2, 60, 16), (1, 2, 60, 16))
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = attention_backward(dout, q, k, v, out, lse, causal=True)
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, dq=q, dv=dout)
+    assert got[0] is q and got[2] is dout
+    assert_same_bits(got, expected)
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+def _bad_call_arguments(rng):
+    q, k, v = random_qkv(rng, (1, 2, 10, 8), (1, 1, 12, 8), d_v=4)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True)
+    dout = np.ones_like(out)
+    return dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+
+
+BAD_INPUTS = [
+    (dict(dout=np.ones((1, 2, 10, 5), np.float32)), ValueError,
+     r"`dout` must have the shape of the attention output \(1, 2, 10, 4\)"),
+    (dict(dout=np.ones((1, 2, 10, 4), np.float64)), TypeError, "`dout` must have dtype float32"),
+    (dict(dout=[1.0]), TypeError, "`dout` must be an array"),
+    (dict(out=np.ones((1, 2, 9, 4), np.float32)), ValueError, "`out` must have the shape"),
+    (dict(out=np.ones((1, 2, 10, 4), np.float16)), TypeError, "`out` must have dtype float32"),
+    (dict(lse=np.zeros((1, 2, 11), np.float32)), ValueError,
+     r"`lse` must have shape \(1, 2, 10\)"),
+    (dict(lse=np.zeros((1, 2, 10), np.int32)), TypeError, "`lse` must be a float array"),
+    (dict(dq=np.zeros((1, 2, 10, 9), np.float32)), ValueError, "`dq` must have shape"),
+    (dict(dk=np.zeros((1, 1, 12, 8), np.float64)), TypeError, "`dk` must have dtype float32"),
+    (dict(dv="readonly"), ValueError, "`dv` must be writeable"),
+    (dict(k=np.ones((1, 1, 12, 8), np.float64)), TypeError, "must share one dtype"),
+    (dict(window=(1, 2, 3)), ValueError, "`window` must be a pair"),
+    (dict(softcap=-1.0), ValueError, "`softcap` must be finite and >= 0"),
+    (dict(layout="sbhd"), ValueError, "`layout` must be one of"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,match", BAD_INPUTS)
+def test_bad_input_is_rejected_before_anything_is_written(rng, changes, exc, match):
+    arguments = _bad_call_arguments(rng)
+    outputs = dict(dq=np.full_like(arguments["q"], 7.0), dk=np.full_like(arguments["k"], 7.0),
+                   dv=np.full_like(arguments["v"], 7.0))
+    changes = dict(changes)
+    if changes.get("dv") == "readonly":
+        changes["dv"] = np.zeros_like(arguments["v"])
+        changes["dv"].flags.writeable = False
+    arguments.update(outputs)
+    arguments.update(changes)
+    positional = [arguments.pop(name) for name in ("dout", "q", "k", "v", "out", "lse")]
+    with pytest.raises(exc, match=match):
+        attention_backward(*positional, **arguments)
+    for name, x in outputs.items():
+        if name not in changes:
+            assert np.all(x == 7.0), f"{name} was written"
