@@ -4,6 +4,7 @@ import numba
 import numpy as np
 
 from . import _combine, _kvcache, _schedule, _validate, tiling
+from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
 
@@ -89,7 +90,7 @@ def _run_forward(call, seqs):
     """Choose tiles, deal the work items to threads and run the FA-2 kernel."""
     n_threads = numba.get_num_threads()
     tiles = call.tiles
-    longest_q, longest_k = int(seqs[:, 2].max()), int(seqs[:, 5].max())
+    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
         tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
@@ -201,7 +202,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         if call.paged:
             call.k, call.v = _kvcache.gather_pages(call)
         seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
-        seqs[:, 5] = call.n_keys
+        seqs[:, SEQ_N_K] = call.n_keys
         _run_forward(call, seqs)
     return call.result(return_lse)
 
