@@ -11,7 +11,7 @@ import dataclasses
 import numba
 import numpy as np
 
-from . import _schedule, _validate, tiling
+from . import _schedule, _simd, _validate, tiling
 from .kernels._band import (ITEM_COLUMNS, ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_N_K, SEQ_N_Q,
                             visible_keys)
 from .kernels.backward import fa2_backward
@@ -177,26 +177,67 @@ def _sink_gradient(sinks, lse, delta):
     return (-(share * delta).sum(axis=(0, 2))).astype(np.float32)
 
 
-def _run_backward(call, grads, delta):
-    """Choose tiles, deal both passes' work items to the threads and run the kernel."""
+def _run_backward(call, grads, delta, fused=None):
+    """Choose tiles and the scheme, deal the work items to the threads and run the kernel.
+
+    `fused` (None: chosen by `_fuse`) runs one item per (sequence, kv head) that computes dQ
+    too, instead of a key pass per key block and a query pass per query tile. Both sum in the
+    same order, so the choice does not change the bits.
+    """
     n_threads = numba.get_num_threads()
     tiles = tiling.clamp_tiles(tiling.TileConfig(BLOCK_Q, BLOCK_K), call.n_q, call.n_k)
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    group = call.n_heads // call.n_kv_heads
     q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
                                            tiles.block_k)
     q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
-    k_items, k_cost = key_items(seqs, call.n_kv_heads, call.n_heads // call.n_kv_heads,
-                                tiles.block_k, tiles.block_q, call.window)
-    k_items, k_chunks = _schedule.balance(k_items, k_cost, n_threads)
+    k_items, k_cost = key_items(seqs, call.n_kv_heads, group, tiles.block_k, tiles.block_q,
+                                call.window)
+    whole = _whole_sequences(k_items, k_cost)
+    if fused is None:
+        fused = _fuse(*whole, n_threads)
+    k_items, k_chunks = _schedule.balance(*(whole if fused else (k_items, k_cost)), n_threads)
 
-    kernel = fa2_backward.specialize((call.q.dtype, call.compute_dtype))
+    compute = call.compute_dtype
+    width = 2 * _simd.lanes_for(compute)
+    dq_acc = np.empty((call.batch * call.n_heads * call.n_q if fused else 0,
+                       -(-call.head_dim // width) * width), dtype=compute)
+    kernel = fa2_backward.specialize((call.q.dtype, compute))
     left, right = call.window
     dq, dk, dv = grads.kernel
     kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
-           _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, seqs, q_items,
-           q_chunks, k_items, k_chunks, tiles.block_q, tiles.block_k, call.qk_scale,
-           call.softcap, left, right, call.half_kind, call.alibi, call.bias, call.bias_map,
-           call.mask, call.mask_map)
+           _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
+           q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
+           call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi, call.bias,
+           call.bias_map, call.mask, call.mask_map)
+
+
+# The fused scheme does 5 tile products where the split one does 7 (it rebuilds S and dP for
+# dQ): it is chosen when its (sequence, kv head) items keep the threads busy for at least
+# this share of the time. TODO: measure.
+FUSED_MIN_BUSY = 0.8
+
+
+def _fuse(items, cost, n_threads):
+    """Whether the fused scheme's `items` keep `n_threads` threads busy enough."""
+    if len(items) < n_threads:
+        return False
+    # (the cost rides along as a last column, to be read in the dealt order)
+    dealt, chunk_ptr = _schedule.balance(np.column_stack([items, cost]), cost, n_threads)
+    owner = np.repeat(np.arange(len(chunk_ptr) - 1), np.diff(chunk_ptr))
+    loads = np.bincount(owner, weights=dealt[:, -1], minlength=n_threads)
+    return cost.sum() / (n_threads * loads.max()) >= FUSED_MIN_BUSY
+
+
+def _whole_sequences(items, cost):
+    """The key pass's items merged into one per (sequence, kv head): first key 0, summed cost."""
+    if not len(items):
+        return items, cost
+    pairs = items[:, ITEM_SEQ] * (items[:, ITEM_HEAD].max() + 1) + items[:, ITEM_HEAD]
+    unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+    merged = items[first].copy()
+    merged[:, ITEM_Q0] = 0
+    return merged, np.bincount(inverse, weights=cost).astype(np.int64)
 
 
 def key_items(seqs, n_kv_heads, group, block_k, block_q, window):

@@ -455,3 +455,26 @@ def test_bad_input_is_rejected_before_anything_is_written(rng, changes, exc, mat
     for name, x in outputs.items():
         if name not in changes:
             assert np.all(x == 7.0), f"{name} was written"
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(40, 7), softcap=3.0),
+                                     dict(mask="mask", sinks=np.array([0.1, 0.2, 0.3, 0.4]))])
+def test_both_schemes_give_the_same_bits(rng, monkeypatch, options):
+    """The fused pass (one item per sequence and kv head, dQ summed there too) and the split
+    passes (key blocks for dK/dV, query tiles for dQ) sum in the same order: the choice between
+    them, which depends on the thread count, never changes a bit."""
+    from cpuflash import _backward
+
+    q, k, v = random_qkv(rng, (2, 4, 230, 40), (2, 2, 250, 40), d_v=24)
+    options = dict(options)
+    if "mask" in options:
+        options["mask"] = rng.random((230, 250)) < 0.8
+        options["sinks"] = options["sinks"].astype(np.float32)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(_backward, "_fuse", lambda *args, fused=fused: fused)
+        results.append(attention_backward(dout, q, k, v, out, lse, **options))
+    assert_gradients_close(results[0], dout, q, k, v, **options)
+    assert_same_bits(results[1], results[0])

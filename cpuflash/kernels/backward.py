@@ -29,6 +29,7 @@ Sequences and work items are described by the forward's tables (`_band.SEQ_*`,
 first key of its block.
 """
 
+import numba
 import numpy as np
 from numba import prange, types
 
@@ -39,9 +40,9 @@ from ._band import (ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_
                     SEQ_N_K, SEQ_N_Q, SEQ_Q_START)
 
 
-def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, seqs, q_items, q_chunks, k_items,
-                  k_chunks, block_q, block_k, qk_scale, softcap, left, right, half_kind, alibi,
-                  bias, bias_map, mask, mask_map):
+def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
+                  k_items, k_chunks, fused, block_q, block_k, qk_scale, softcap, left, right,
+                  half_kind, alibi, bias, bias_map, mask, mask_map):
     d = q.shape[3]
     d_v = v.shape[3]
     group = q.shape[1] // k.shape[1]
@@ -59,74 +60,99 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, seqs, q_items, q_c
             _store_deltas(dout, out, batch_q, h, q_start + q0, min(block_q, n_q - q0), do_rows,
                           o_rows, delta, half_kind)
 
-    # ---- the key pass: dK, dV of one key block, summed over the query tiles that see it
+    # ---- the key pass: dK, dV of a key block, summed over the query tiles that see it; with
+    # `fused`, an item is every key block of a (sequence, kv head) in turn, and dQ of the
+    # group's rows is summed here too, in `dq_acc` (the query pass then has nothing to do)
     for chunk in prange(k_chunks.shape[0] - 1):
         # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
-        # products), K and V as panels, S/P, dP/dS, the chain factor, dK and dV
+        # products), K and V as panels (and K as rows for dQ), S/P, dP/dS, the chain factor,
+        # dK and dV
         q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
             block_q, block_k, d, d_v, lse)
         q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
         dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
+        k_rows = _rows_buffer(block_k if fused else 0, d, lse)
         lse_rows = np.empty(block_q, dtype=cdtype)
         delta_rows = np.empty(block_q, dtype=cdtype)
+        ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
 
         for item in range(k_chunks[chunk], k_chunks[chunk + 1]):
-            seq, hk, k0 = k_items[item, ITEM_SEQ], k_items[item, ITEM_HEAD], k_items[item, ITEM_Q0]
+            seq, hk, k_first = (k_items[item, ITEM_SEQ], k_items[item, ITEM_HEAD],
+                                k_items[item, ITEM_Q0])
             batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
                                      seqs[seq, SEQ_N_Q])
             batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
                                      seqs[seq, SEQ_N_K])
-            cols = min(block_k, n_k - k0)
             shift = n_k - n_q  # bottom-right alignment: query row i sits over key i + shift
+            if fused:
+                for h in range(hk * group, (hk + 1) * group):
+                    row0 = _acc_row(dq, batch_q, h, q_start)
+                    dq_acc[row0:row0 + n_q, :] = 0.0
 
-            # -- the query tiles that see a key of this block: `visible_keys` from the keys'
-            # side (key j is seen by the rows j - shift - right .. j - shift + left), tiles at
-            # multiples of block_q
-            q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
+            for k0 in range(k_first, n_k if fused else k_first + 1, block_k):
+                cols = min(block_k, n_k - k0)
+                # -- the query tiles that see a key of this block: `visible_keys` from the
+                # keys' side (key j is seen by the rows j - shift - right .. j - shift +
+                # left), tiles at multiples of block_q
+                q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
 
-            # -- this block's keys and values, once for every query head of the group
-            _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
-            _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
-            dk_acc[:cols, :] = 0.0
-            dv_acc[:cols, :] = 0.0
+                # -- this block's keys and values, once for every query head of the group
+                _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
+                _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
+                if fused:
+                    _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
+                dk_acc[:cols, :] = 0.0
+                dv_acc[:cols, :] = 0.0
 
-            for h in range(hk * group, (hk + 1) * group):
-                for q0 in range(q_lo, q_hi, block_q):
-                    rows = min(block_q, n_q - q0)
-                    diag0 = q0 + shift
-                    inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
-                                                               right)
-                    band = (inside, lo_off, hi_off, left, right)
-                    _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
-                                     q_tile, do_tile, lse_rows, delta_rows, half_kind)
-                    q_rows[:rows, :d] = q_tile[:rows]
-                    do_rows[:rows, :d_v] = do_tile[:rows]
+                for h in range(hk * group, (hk + 1) * group):
+                    for q0 in range(q_lo, q_hi, block_q):
+                        rows = min(block_q, n_q - q0)
+                        diag0 = q0 + shift
+                        inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
+                                                                   right)
+                        band = (inside, lo_off, hi_off, left, right)
+                        _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
+                                         q_tile, do_tile, lse_rows, delta_rows, half_kind)
+                        q_rows[:rows, :d] = q_tile[:rows]
+                        do_rows[:rows, :d_v] = do_tile[:rows]
 
-                    # -- S: the forward's score pipeline; dP = dO V^T
-                    _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
-                                      (seq, h, q0, k0, diag0), band, mods)
-                    _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                        # -- S: the forward's score pipeline; dP = dO V^T
+                        _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
+                                          (seq, h, q0, k0, diag0), band, mods)
+                        _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
 
-                    # -- P = exp(S - lse), dS = P (dP - delta)
-                    _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
-                                           lo_off, hi_off, has_chain)
+                        # -- P = exp(S - lse), dS = P (dP - delta)
+                        _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
+                                               cols, lo_off, hi_off, has_chain)
 
-                    # -- dV += P^T dO, dK += dS^T Q
-                    _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
-                    _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+                        # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K)
+                        _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
+                        _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+                        if fused:
+                            row0 = _acc_row(dq, batch_q, h, q_start + q0)
+                            _steps.pv_tile(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows,
+                                           cols, lo_off, hi_off)
 
-            # -- each row of dK and dV written once
-            _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0, half_kind)
-            _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
+                # -- each row of dK and dV written once
+                _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
+                                  half_kind)
+                _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
 
-    # ---- the query pass: dQ of one query tile, summed over the key blocks it sees
-    for chunk in prange(q_chunks.shape[0] - 1):
+            if fused:
+                for h in range(hk * group, (hk + 1) * group):
+                    row0 = _acc_row(dq, batch_q, h, q_start)
+                    _steps.store_rows(dq_acc[row0:row0 + n_q], n_q, qk_scale, dq, batch_q, h,
+                                      q_start, half_kind)
+
+    # ---- the query pass: dQ of one query tile, summed over the key blocks it sees (in the
+    # key pass's order: the sums, and so the bits, are those of the fused key pass)
+    for chunk in prange(0 if fused else q_chunks.shape[0] - 1):
         q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
             block_q, block_k, d, d_v, lse)
-        k_rows, dq_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
+        k_rows, dq_rows = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
         lse_rows = np.empty(block_q, dtype=cdtype)
         delta_rows = np.empty(block_q, dtype=cdtype)
-        ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
+        ones = np.ones(block_q, dtype=cdtype)
 
         for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
             seq, h, q0 = q_items[item, ITEM_SEQ], q_items[item, ITEM_HEAD], q_items[item, ITEM_Q0]
@@ -143,7 +169,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, seqs, q_items, q_c
 
             _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
                              do_tile, lse_rows, delta_rows, half_kind)
-            dq_acc[:rows, :] = 0.0
+            dq_rows[:rows, :] = 0.0
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
@@ -165,9 +191,16 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, seqs, q_items, q_c
                                        lo_off, hi_off, has_chain)
 
                 # -- dQ += dS K
-                _steps.pv_tile(dp, k_rows, dq_acc, ones, rows, cols, lo_off, hi_off)
+                _steps.pv_tile(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
 
-            _steps.store_rows(dq_acc, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+            _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+
+
+@jit
+def _acc_row(dq, b, h, row):
+    """The row of the fused pass's dQ accumulator, ``(batch * Hq * Nq, Dp)``, that holds dQ's
+    row ``dq[b, h, row]``."""
+    return (b * dq.shape[1] + h) * dq.shape[2] + row
 
 
 @jit
@@ -227,12 +260,13 @@ def _signature(key):
     grad = array(dtype, 4)
     per_row = array(compute, 3, readonly=True)
     delta = array(compute, 3)
+    rows2 = types.Array(numba.from_dtype(compute), 2, "C")  # whose row slices are "C" too
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
     i8, f8 = types.int64, types.float64
     return types.void(
-        data, data, data, data, data, per_row, delta, grad, grad, grad,
-        index2, index2, index1, index2, index1, i8, i8, f8, f8, i8, i8, i8,
+        data, data, data, data, data, per_row, delta, grad, grad, grad, rows2,
+        index2, index2, index1, index2, index1, types.boolean, i8, i8, f8, f8, i8, i8, i8,
         array(compute, 2, readonly=True), array(compute, 4, readonly=True), index1,
         array(np.bool_, 4, readonly=True), index1)
 
