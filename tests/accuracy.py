@@ -1,4 +1,6 @@
-"""Shared by the tests: random inputs and the accuracy rule against the dense reference."""
+"""The accuracy rule: a kernel's output against the dense float64 reference (flash-attn's rule,
+with a floor for the rounding of large logits). Input builders and other shared checks live in
+`helpers.py`."""
 
 import numpy as np
 
@@ -15,12 +17,6 @@ ROUNDING_SIGMAS = 3.0
 # `score_rounding_spread` reads p off the reference run on an identity matrix of values, one
 # (Nk, Nk) matrix per query head; past this many elements in all (256 MiB) it is skipped.
 SPREAD_MAX_ELEMENTS = 2 ** 25
-
-
-def random_qkv(rng, shape_q, shape_k, d_v=None, dtype=np.float32, layout="bhsd"):
-    """q, k, v with normal entries; v's last axis is `d_v` (default: that of k)."""
-    shape_v = shape_k[:-1] + ((d_v or shape_k[-1]),)
-    return tuple(rng.standard_normal(s).astype(dtype) for s in (shape_q, shape_k, shape_v))
 
 
 def working_eps(dtype):

@@ -23,6 +23,7 @@ def test_examples_are_found():
     assert {"quickstart.py", "long_context.py", "fa1_vs_fa2.py", "torch_interop.py"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
 def test_example_runs_small(script):
     if IMPORTS_TORCH.search(script.read_text()) and importlib.util.find_spec("torch") is None:

@@ -5,7 +5,8 @@ import pytest
 
 import cpuflash
 
-from accuracy import assert_close_to_reference, random_qkv
+from accuracy import assert_close_to_reference
+from helpers import low_precision_dtype, random_qkv
 
 SIZES = [(1, 239), (113, 203), (127, 127), (239, 113), (3, 70)]
 
@@ -124,15 +125,10 @@ def test_everything_at_once(rng, layout, dtype):
     assert_close_to_reference(out, q, k, v, lse=lse, layout=layout, **kwargs)
 
 
-def low_precision_dtypes():
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    return [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
-
-
 @pytest.mark.parametrize("which", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n_q,n_k,d", [(1, 239, 64), (113, 203, 59), (239, 113, 128)])
 def test_half_precision(rng, which, n_q, n_k, d):
-    dtype = next(t for t in low_precision_dtypes() if t.name == which)
+    dtype = low_precision_dtype(which)
     q, k, v = random_qkv(rng, (2, 4, n_q, d), (2, 2, n_k, d), dtype=dtype)
     kwargs = dict(causal=True, alibi_slopes=np.full(4, 0.05, np.float32), softcap=20.0)
     out, lse = cpuflash.attention(q, k, v, return_lse=True, **kwargs)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from cpuflash import _jit, _threads
-from test_reliability import explain, run_python
+
+from helpers import clean_env, explain, run_python
 
 FIRST_CALL = """
     import numba, numpy as np, cpuflash
@@ -25,17 +26,11 @@ FIRST_CALL = """
 """
 
 
-def clean_env(**extra):
-    """The variables a login shell has, none that locate libraries or steer Numba."""
-    keep = ("PATH", "HOME", "LANG", "TMPDIR", "USER")
-    env = {name: os.environ[name] for name in keep if name in os.environ}
-    return dict(env, **extra)
-
-
 def notices(stderr):
     return [line for line in stderr.splitlines() if line.startswith("cpuflash: compiling")]
 
 
+@pytest.mark.slow
 def test_first_parallel_call_in_this_interpreter_with_a_clean_environment(tmp_path):
     """oneTBB loads wherever pip put it (a venv's `lib`), with no LD_LIBRARY_PATH; a cold
     cache prints one notice on stderr, a warm one none. .ci/run runs the suite from a fresh
@@ -54,6 +49,7 @@ def test_first_parallel_call_in_this_interpreter_with_a_clean_environment(tmp_pa
     assert warm.stderr == "", explain(warm)
 
 
+@pytest.mark.slow
 def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
     env = clean_env(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     warmup = subprocess.run([sys.executable, "-m", "cpuflash", "warmup"], env=env,
@@ -66,6 +62,7 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
     assert later.returncode == 0 and later.stderr == "", explain(later)
 
 
+@pytest.mark.slow
 def test_warmup_names_the_dtypes_it_knows(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int8"],
                           capture_output=True, text=True, timeout=120)
@@ -100,6 +97,7 @@ WITHOUT_TBB = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_without_tbb_threads_and_fork_still_work_with_one_warning(tmp_path):
     result = run_python(WITHOUT_TBB, env=clean_env(CPUFLASH_QUIET="1"), cwd=str(tmp_path),
@@ -111,6 +109,7 @@ def test_without_tbb_threads_and_fork_still_work_with_one_warning(tmp_path):
     assert "one at a time" in warned[0]
 
 
+@pytest.mark.slow
 def test_a_threading_layer_the_user_chose_is_kept(tmp_path):
     result = run_python("import numba, cpuflash; print(numba.config.THREADING_LAYER)",
                         env=clean_env(NUMBA_THREADING_LAYER="omp"), cwd=str(tmp_path))

@@ -201,6 +201,7 @@ def test_valid_calls_work_and_signatures_are_the_real_ones(rng):
 
 # -- torch tensors that require grad
 
+@pytest.mark.slow
 def test_import_cpuflash_does_not_import_torch():
     code = "import sys, cpuflash; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

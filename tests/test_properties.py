@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import cpuflash
 from cpuflash.reference import attention_reference
 
-from accuracy import assert_close_to_reference, random_qkv
+from accuracy import assert_close_to_reference
+from helpers import check_varlen, cu_seqlens, random_qkv
 
 BOUNDED = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -129,8 +130,7 @@ def packed_problems(draw):
 @given(p=packed_problems())
 def test_varlen_matches_the_reference_per_sequence(p):
     rng = np.random.default_rng(p["seed"])
-    cu_q = np.concatenate([[0], np.cumsum(p["lens_q"])]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(p["lens_k"])]).astype(np.int32)
+    cu_q, cu_k = cu_seqlens(p["lens_q"]), cu_seqlens(p["lens_k"])
     q = normal(rng, (cu_q[-1], p["n_heads"], p["d"]), p["dtype"])
     k = normal(rng, (cu_k[-1], p["n_kv_heads"], p["d"]), p["dtype"])
     v = normal(rng, (cu_k[-1], p["n_kv_heads"], p["d_v"]), p["dtype"])
@@ -140,13 +140,7 @@ def test_varlen_matches_the_reference_per_sequence(p):
                                          return_lse=True, **flags)
     assert out.shape == (cu_q[-1], p["n_heads"], p["d_v"])
     assert lse.shape == (p["n_heads"], cu_q[-1])
-    for b in range(len(p["lens_q"])):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        seq_slopes = None if slopes is None else (slopes if slopes.ndim == 1 else slopes[b])
-        assert_close_to_reference(
-            np.swapaxes(out[rows], 0, 1), np.swapaxes(q[rows], 0, 1),
-            np.swapaxes(k[keys], 0, 1), np.swapaxes(v[keys], 0, 1), lse=lse[:, rows],
-            alibi_slopes=seq_slopes, **flags)
+    check_varlen(out, lse, q, k, v, cu_q, cu_k, alibi_slopes=slopes, **flags)
 
 
 @st.composite

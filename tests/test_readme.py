@@ -54,6 +54,7 @@ def test_blocks_are_found():
     assert len(BLOCKS) >= 2, "README.md should have its quick start as a ```python block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line, code", BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
 def test_readme_block_runs(line, code):
     missing = missing_packages(code)
@@ -65,6 +66,7 @@ def test_readme_block_runs(line, code):
         f"--- code\n{code}--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
 
 
+@pytest.mark.slow
 def test_a_failing_block_is_caught():
     """The check above would see a block that raises."""
     # the legacy np.random.standard_normal has no dtype argument: this block raises

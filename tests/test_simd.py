@@ -117,6 +117,7 @@ def test_target_width_rule(cpu_name, features, expected):
     assert _simd._target_has_avx512f(cpu_name, features) is expected
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not X86, reason="x86 CPU names")
 def test_haswell_target_gets_avx2_width():
     """With NUMBA_CPU_NAME=haswell on any x86 host: 8 lanes, 256-bit code, correct results."""
