@@ -15,9 +15,9 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic, overload
 
 from .. import _simd
-from .._jit import STRICT_OPTIONS, HELPER_OPTIONS, jit
+from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 
-FLOAT16, BFLOAT16 = 1, 2  # must match _validate.FLOAT16 / BFLOAT16
+FLOAT16, BFLOAT16 = 1, 2  # half-precision kinds (`_validate` imports them; 0 is native)
 
 
 @intrinsic
