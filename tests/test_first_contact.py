@@ -45,7 +45,8 @@ def test_bshd_hint_follows_every_shape_check(rng):
     slopes = np.ones(2, f32)
     with pytest.raises(ValueError, match=r"`alibi_slopes` must have shape \(8,\).*" + LAYOUT_HINT):
         cpuflash.attention(q, k, v, alibi_slopes=slopes)
-    cpuflash.attention(q, k, v, alibi_slopes=slopes, layout="bshd")
+    out = cpuflash.attention(q, k, v, alibi_slopes=slopes, layout="bshd")
+    assert out.shape == (1, 8, 2, 8) and np.isfinite(out).all()
 
 
 def test_bshd_hint_for_kvcache_writes_nothing(rng):

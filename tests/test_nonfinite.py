@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import cpuflash
+from cpuflash.reference import attention_reference
 
-from helpers import assert_same_bits, random_qkv
+from helpers import assert_same_bits, assert_same_nonfinite, random_qkv
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -46,20 +47,35 @@ def test_nan_in_one_key_reaches_exactly_the_rows_that_see_it(rng):
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf])
-def test_infinite_query_does_not_crash(rng, value):
+def test_infinite_query_gives_the_reference_s_nan(rng, value):
+    """An infinite query entry makes that row's scores infinite: the reference's row is NaN
+    (inf - inf in the softmax), and so is the kernel's; the other rows keep their bits."""
     q, k, v = random_qkv(rng, (1, 2, 40, 16), (1, 2, 50, 16))
-    clean = cpuflash.attention(q, k, v, causal=True)
+    clean, clean_lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
     bad = q.copy()
     bad[0, 1, 20, 0] = value
+    with np.errstate(invalid="ignore"):
+        ref, ref_lse = attention_reference(bad, k, v, causal=True, return_lse=True)
     out, lse = cpuflash.attention(bad, k, v, causal=True, return_lse=True)
-    assert out.shape == clean.shape
+    assert np.isnan(ref[0, 1, 20]).all()
+    assert_same_nonfinite(out, ref, "out")
+    assert_same_nonfinite(lse, ref_lse, "lse")
     others = np.ones(out.shape[:-1], dtype=bool)
     others[0, 1, 20] = False
-    assert_same_bits(out[others], clean[others], "other rows")
-    # all of q infinite: still returns, whatever the values
-    cpuflash.attention(np.full_like(q, value), k, v, causal=True)
-    cpuflash.attention_with_kvcache(np.full((1, 2, 1, 16), value, np.float32), k, v,
-                                    num_splits=2)
+    assert_same_bits((out[others], lse[others]), (clean[others], clean_lse[others]),
+                     "other rows")
+    # all of q infinite, through the forward and the decode kernel: NaN wherever the
+    # reference has it, and a result rather than a crash or a hang
+    for function, queries, kwargs in [
+            (cpuflash.attention, np.full_like(q, value), {}),
+            (cpuflash.attention_with_kvcache, np.full((1, 2, 1, 16), value, np.float32),
+             dict(num_splits=2))]:
+        out, lse = function(queries, k, v, causal=True, return_lse=True, **kwargs)
+        with np.errstate(invalid="ignore"):
+            ref, ref_lse = attention_reference(queries, k, v, causal=True, return_lse=True)
+        assert np.isnan(ref).all()
+        assert_same_nonfinite(out, ref, function.__name__)
+        assert_same_nonfinite(lse, ref_lse, function.__name__ + " lse")
 
 
 def test_minus_inf_bias_everywhere_gives_zero_and_minus_inf(rng):
