@@ -478,3 +478,23 @@ def test_both_schemes_give_the_same_bits(rng, monkeypatch, options):
         results.append(attention_backward(dout, q, k, v, out, lse, **options))
     assert_gradients_close(results[0], dout, q, k, v, **options)
     assert_same_bits(results[1], results[0])
+
+
+def test_agrees_with_torch_sdpa_backward(rng):
+    """A witness that shares no code with the reference: torch's own SDPA backward (float64;
+    its causal diagonal is top-left, the same as cpuflash's for Nq == Nk)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = random_qkv(rng, (2, 4, 150, 64), (2, 4, 150, 64), d_v=48)
+    dout, grads = forward_and_backward(rng, q, k, v, causal=True, scale=0.2)
+    tq, tk, tv = (torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=0.2)
+    out.backward(torch.tensor(dout.astype(np.float64)))
+    for got, x in zip(grads, (tq, tk, tv)):
+        expected = x.grad.numpy()
+        np.testing.assert_allclose(got, expected, atol=2e-5 * np.abs(expected).max(), rtol=0)
+
+
+@pytest.mark.parametrize("options", [dict(causal=True), dict(window=(300, 40), softcap=8.0)])
+def test_long_sequences(rng, options):
+    q, k, v = random_qkv(rng, (1, 2, 1023, 128), (1, 1, 1500, 128), d_v=96)
+    check(rng, q, k, v, **options)
