@@ -11,7 +11,7 @@ import cpuflash
 from cpuflash.reference import attention_reference
 
 from accuracy import assert_close_to_reference
-from helpers import explain, random_qkv, run_python
+from helpers import assert_same_bits, explain, random_qkv, run_python
 
 SEQLEN_PAIRS = [(1, 239), (3, 799), (127, 513), (113, 203), (1023, 1024)]
 SEQLEN_PAIRS += [(nk, nq) for nq, nk in SEQLEN_PAIRS]
@@ -133,6 +133,27 @@ def test_out_that_cannot_be_flattened(rng):
     out = np.zeros((3, 2, 2, 20, 8), dtype=np.float32).transpose(1, 0, 2, 3, 4)
     cpuflash.attention(q, k, v, out=out)
     np.testing.assert_array_equal(out, expected)
+
+
+def test_bshd_out_argument(rng):
+    """flash-attn's layout into a given `out`: contiguous, strided (a heads-first buffer seen
+    as bshd, every other value column) and aliasing `q`."""
+    q, k, v = random_qkv(rng, (2, 33, 4, 16), (2, 45, 2, 16))
+    expected, lse = cpuflash.attention(q, k, v, layout="bshd", causal=True, return_lse=True)
+    assert_close_to_reference(expected, q, k, v, lse=lse, layout="bshd", causal=True)
+    out = np.full((2, 33, 4, 16), np.nan, dtype=np.float32)
+    assert cpuflash.attention(q, k, v, layout="bshd", causal=True, out=out) is out
+    assert_same_bits(out, expected, "contiguous out")
+    big = np.zeros((2, 4, 33, 32), dtype=np.float32)
+    strided = np.swapaxes(big, 1, 2)[..., ::2]
+    got, got_lse = cpuflash.attention(q, k, v, layout="bshd", causal=True, out=strided,
+                                      return_lse=True)
+    assert got is strided
+    assert_same_bits((strided, got_lse), (expected, lse), "strided out")
+    np.testing.assert_array_equal(big[..., 1::2], 0)
+    q_copy = q.copy()
+    cpuflash.attention(q_copy, k, v, layout="bshd", causal=True, out=q_copy)
+    assert_same_bits(q_copy, expected, "out aliasing q")
 
 
 @pytest.mark.parametrize("n_q,n_k", [(0, 10), (10, 0), (0, 0)])

@@ -7,7 +7,8 @@ import pytest
 import cpuflash
 from cpuflash.reference import attention_reference
 
-from helpers import cache_case, check_kvcache, low_precision_dtype, random_qkv, to_pages
+from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype,
+                     random_qkv, to_pages, with_new_keys)
 
 
 def bshd(x):
@@ -79,6 +80,34 @@ def test_bshd_cache_layout(rng):
     np.testing.assert_allclose(np.swapaxes(got, 1, 2), expected, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["unpaged", "paged"])
+@pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
+def test_bshd_paged_and_chunked_prefill(rng, paged, n_q):
+    """flash-attn's layout: q (B, Nq, Hq, D), caches (B, Nmax, Hk, D) or pages (P, page_size,
+    Hk, D); new keys written where the block table says, the result against the reference."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
+                                                    seqlens=[5, 200, 280 - n_q])
+    table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)  # shuffled pages of 16
+    kwargs = dict(causal=True, window=(70, -1), softcap=10.0,
+                  alibi_slopes=rng.uniform(0.01, 0.1, (3, 8)).astype(np.float32))
+    if paged:
+        caches = bshd(to_pages(k_cache, 16, table)), bshd(to_pages(v_cache, 16, table))
+    else:
+        caches = bshd(k_cache), bshd(v_cache)
+    out, lse = cpuflash.attention_with_kvcache(
+        bshd(q), *caches, k=bshd(k), v=bshd(v), cache_seqlens=seqlens, layout="bshd",
+        block_table=table if paged else None, num_splits=3, return_lse=True, **kwargs)
+    assert out.shape == (3, n_q, 8, 48) and lse.shape == (3, 8, n_q)
+    for b in range(3):  # the new keys landed in the right rows (pages)
+        for i in range(n_q):
+            pos = seqlens[b] + i
+            at = (table[b, pos // 16], pos % 16) if paged else (b, pos)
+            np.testing.assert_array_equal(caches[0][at], k[b, :, i])
+            np.testing.assert_array_equal(caches[1][at], v[b, :, i])
+    written = [with_new_keys(c, new, seqlens) for c, new in ((k_cache, k), (v_cache, v))]
+    check_kvcache(np.swapaxes(out, 1, 2), lse, q, *written, seqlens + n_q, **kwargs)
+
+
 @pytest.mark.parametrize("hq,hk", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8 and 1 rows
 def test_rows_read_in_place_with_wide_values(rng, hq, hk):
     """Head dims of whole vectors, D and Dv different (with AVX-512, the four-row Q K^T for
@@ -132,6 +161,48 @@ def test_half_precision_cache(rng, which, d):
                                                cache_seqlens=seqlens, return_lse=True)
     assert out.dtype == dtype and lse.dtype == np.float32
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens + 1, causal=True, plain_dtype=dtype)
+
+
+@pytest.mark.parametrize("which", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["unpaged", "paged"])
+def test_half_precision_chunked_prefill(rng, which, paged):
+    """40 query rows of a GQA group of 4: the packed FA-2 kernel over the cache (its pages
+    gathered first), widening float16/bfloat16 tile by tile."""
+    dtype = low_precision_dtype(which)
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, dtype=dtype, n_max=320, d=64, hq=8,
+                                                    hk=2, n_q=40, n_new=40,
+                                                    seqlens=[0, 100, 280])
+    table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)
+    caches = (to_pages(k_cache, 16, table), to_pages(v_cache, 16, table)) if paged else \
+        (k_cache.copy(), v_cache.copy())
+    kwargs = dict(causal=True, window=(90, -1), softcap=20.0,
+                  alibi_slopes=np.full(8, 0.05, np.float32))
+    out, lse = cpuflash.attention_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
+                                               block_table=table if paged else None,
+                                               return_lse=True, **kwargs)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    written = [with_new_keys(c, new, seqlens) for c, new in ((k_cache, k), (v_cache, v))]
+    check_kvcache(out, lse, q, *written, seqlens + 40, plain_dtype=dtype, **kwargs)
+
+
+@pytest.mark.parametrize("seqlens", [37, np.int64(37), np.uint8(37), [37, 37, 37],
+                                     np.array([37] * 3, np.int64),
+                                     np.array([37] * 3, np.uint16)],
+                         ids=["int", "numpy int64", "numpy uint8", "list", "int64 array",
+                              "uint16 array"])
+@pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
+def test_integer_cache_seqlens(rng, seqlens, n_q):
+    """Any integer type, and one int for every batch entry, give what int32 lengths give."""
+    q, k_cache, v_cache, k, v, lengths = cache_case(rng, n_max=80, n_q=n_q, n_new=2,
+                                                    seqlens=[37] * 3)
+    kc, vc = k_cache.copy(), v_cache.copy()
+    expected = cpuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lengths,
+                                               return_lse=True)
+    got = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                          return_lse=True)
+    assert_same_bits(got, expected)
+    assert_same_bits((k_cache, v_cache), (kc, vc), "the caches")
+    check_kvcache(*got, q, k_cache, v_cache, [39] * 3, causal=True)
 
 
 def test_split_results_do_not_depend_on_split_count_beyond_rounding(rng):

@@ -52,6 +52,20 @@ def test_alibi(rng, n_q, n_k, slopes_shape):
     assert_close_to_reference(out, q, k, v, lse=lse, alibi_slopes=slopes)
 
 
+@pytest.mark.parametrize("slopes_shape", [(4,), (2, 3, 4)], ids=["heads", "leading_heads"])
+def test_alibi_with_two_leading_axes(rng, slopes_shape):
+    """q (2, 3, Hq, N, D): slopes per head, or per (leading axes, head)."""
+    q, k, v = random_qkv(rng, (2, 3, 4, 50, 24), (2, 3, 2, 70, 24), d_v=16)
+    slopes = rng.uniform(0.01, 0.5, size=slopes_shape).astype(np.float32)
+    out, lse = cpuflash.attention(q, k, v, alibi_slopes=slopes, causal=True, return_lse=True)
+    assert out.shape == (2, 3, 4, 50, 16) and lse.shape == (2, 3, 4, 50)
+    assert_close_to_reference(out, q, k, v, lse=lse, alibi_slopes=slopes, causal=True)
+    if len(slopes_shape) == 3:  # each leading entry reads its own slopes
+        first = cpuflash.attention(q[1, 2], k[1, 2], v[1, 2], alibi_slopes=slopes[1, 2],
+                                   causal=True)
+        np.testing.assert_array_equal(out[1, 2], first)
+
+
 BROADCAST_SHAPES = [(2, 4, 113, 203), (113, 203), (1, 1, 113, 203), (2, 1, 1, 203),
                     (4, 113, 1), (203,), (2, 4, 1, 1)]
 

@@ -269,6 +269,9 @@ def test_typing_errors():
     doubles = np.zeros(32, np.float64)
     frozen = np.zeros(32, np.float32)
     frozen.flags.writeable = False
+    halves = np.zeros(32, np.uint16)
+    frozen_halves = np.zeros(32, np.uint16)
+    frozen_halves.flags.writeable = False
     cases = [
         (lambda a: vload(a, 0), (ints,), "`arr` must be a float32 or float64 array"),
         (lambda a: vload(a, 0.5), (floats,), "`i` must be an integer"),
@@ -278,6 +281,20 @@ def test_typing_errors():
         (lambda a: vhsum(a), (floats,), "vectors of one type"),
         (lambda a: vsplat(a, a), (floats,), "`x` must be a real number"),
         (lambda a: vzeros(a), (ints,), "`like` must be a float32 or float64 array"),
+        (lambda a: vstore_f16(a, 0, vload(a, 0)), (floats,),
+         "`arr` must be a writable uint16 array \\(float16 bits\\)"),
+        (lambda a: vstore_bf16(a, 0, vzeros(floats)), (frozen_halves,),
+         "`arr` must be a writable uint16 array \\(bfloat16 bits\\)"),
+        (lambda a, b: vstore_f16(a, 0, vload(b, 0)), (halves, doubles), "`vec` must be a"),
+        (lambda a: vfill_outside(vload(a, 0), 0, 1, a), (floats,),
+         "`value` must be a real number"),
+        (lambda a: vfill_outside(vload(a, 0), 0.5, 1, 0.0), (floats,),
+         "`first` must be an integer"),
+        (lambda a: vload_rows(a, 0, 1.5), (floats,), "`stride` must be an integer"),
+        (lambda a: vload_rows_f16(a, 0, 1), (floats,), "`arr` must be a uint16 array"),
+        (lambda a: vtranspose((vload(a, 0), vload(a, 0))), (floats,),
+         "`vecs` must be a tuple of as many vectors as they have lanes"),
+        (lambda a: prefetch(a[0], 0), (floats,), "`arr` must be an array"),
     ]
     for func, args, message in cases:
         with pytest.raises(TypingError, match=message):

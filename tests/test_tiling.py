@@ -29,6 +29,32 @@ def test_working_set_fits(machine, d, dtype):
     assert l2 <= tiling.L2_SHARE * cache["l2"] or (at_minimum and tiles.block_q == tiling.ROW_GROUP)
 
 
+@pytest.mark.parametrize("machine", CACHES)
+@pytest.mark.parametrize("d,d_v", [(64, 16), (64, 512), (40, 128), (128, 32), (1, 256)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_working_set_fits_with_another_value_head_dim(machine, d, d_v, dtype):
+    """`head_dim_v` enters the model as Dv: the value rows and the accumulator fit with it."""
+    cache = CACHES[machine]
+    tiles = cpuflash.choose_tiles(d, dtype, cache=cache, head_dim_v=d_v)
+    l1, l2 = tiling.working_set_bytes(tiles, d, dtype, head_dim_v=d_v)
+    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.ROW_GROUP == 0
+    at_minimum = tiles.block_k == tiling.KEY_PANEL
+    assert l1 <= tiling.L1_SHARE * cache["l1d"] or at_minimum
+    assert l2 <= tiling.L2_SHARE * cache["l2"] or (at_minimum and tiles.block_q == tiling.ROW_GROUP)
+    # Dv = D is the default; a larger Dv never gives larger tiles
+    assert cpuflash.choose_tiles(d, dtype, cache=cache, head_dim_v=d) == \
+        cpuflash.choose_tiles(d, dtype, cache=cache)
+    wider = cpuflash.choose_tiles(d, dtype, cache=cache, head_dim_v=4 * d_v)
+    assert wider.block_q <= tiles.block_q and wider.block_k <= tiles.block_k
+
+
+def test_the_value_head_dim_changes_the_tiles():
+    laptop = CACHES["laptop"]
+    assert cpuflash.choose_tiles(64, cache=laptop, head_dim_v=512) == cpuflash.TileConfig(72, 32)
+    assert cpuflash.choose_tiles(64, cache=laptop, head_dim_v=16) == cpuflash.TileConfig(168, 192)
+    assert cpuflash.choose_tiles(64, cache=laptop) == cpuflash.TileConfig(120, 192)
+
+
 SIZES = [16 * KiB, 32 * KiB, 48 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 32 * MiB]
 
 
