@@ -16,7 +16,7 @@ from .kernels._band import (ITEM_COLUMNS, ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_N_K,
                             visible_keys)
 from .kernels.backward import fa2_backward
 
-__all__ = ["attention_backward"]
+__all__ = ["attention_backward", "attention_varlen_backward"]
 
 # The backward's tiles (block_q query rows x block_k keys, in both passes). They do not depend
 # on the thread count, so neither do the sums. TODO(tiling): measured choice per head dim, in
@@ -64,12 +64,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
         return_lse=True)
     grads = gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
-    delta = np.zeros_like(grads.lse)  # rowsum(dout * out), written by the kernel
-    if call.batch and call.n_heads and (call.n_q or call.n_k):
-        _run_backward(call, grads, delta)
-    else:  # nothing to sum: zero gradients (dk, dv of kv heads without query heads too)
-        for grad in grads.kernel:
-            grad[...] = 0
+    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    delta = _run_backward(call, grads, seqs)
     result = grads.result()
     if call.sinks.size:
         result += (_sink_gradient(call.sinks, grads.lse, delta),)
@@ -99,9 +95,42 @@ class GradientCall:
         return tuple(grads)
 
 
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
+                              causal=False, scale=None, window=None, softcap=0.0,
+                              alibi_slopes=None):
+    """Gradients of `cpuflash.attention_varlen` with respect to q, k, v.
+
+    Parameters
+    ----------
+    dout : (total_q, Hq, Dv) array
+        The gradient of the loss with respect to the attention output.
+    q, k, v, cu_seqlens_q, cu_seqlens_k
+        The forward's packed inputs and cumulative lengths.
+    out : (total_q, Hq, Dv) array
+    lse : (Hq, total_q) array
+        The forward's output and log-sum-exp (``return_lse=True``).
+    causal, scale, window, softcap, alibi_slopes
+        The forward's keywords, unchanged.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes and dtypes of q, k, v
+
+    Each sequence's gradients are those of `attention_backward` on that sequence alone.
+    """
+    q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
+    call = _validate.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                                 scale=scale, window=window, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, return_lse=True)
+    grads = gradient_args(call, (q, k, v), dout, out, lse, None, None, None, "thd")
+    _run_backward(call, grads, _schedule.varlen_table(call.cu_q, call.cu_k))
+    return grads.result()
+
+
 def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
     """Check the backward's own arguments against the validated forward `call` (raising before
-    anything is written) and build their kernel views."""
+    anything is written) and build their kernel views. `layout` is the forward's, or "thd"
+    for packed sequences."""
     out_shape, dtype = call.out_user.shape, call.dtype
     views = {}
     for name, x in (("dout", dout), ("out", out)):
@@ -134,16 +163,13 @@ def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
                 _validate._fail(ValueError, f"`{name}` must be writeable, got a read-only array")
         given.append(x)
 
-    heads = (call.n_heads, call.n_kv_heads, call.n_kv_heads)
-    rows = (call.n_q, call.n_k, call.n_k)
-    dims = (call.head_dim, call.head_dim, call.head_dim_v)
     kernel, user, copy_back = [], [], []
     for i, (x, like) in enumerate(zip(given, qkv)):
         others = inputs + [g for j, g in enumerate(given) if j != i and g is not None]
         target = None
         if x is None or any(np.may_share_memory(x, y) for y in others):
             target, x = x, np.empty(like.shape, dtype=dtype)
-        shape4 = (call.batch, heads[i], rows[i], dims[i])
+        shape4 = (call.q, call.k, call.v)[i].shape  # as the kernel reads the input
         view = _validate.reshaped_view(_heads_first(x, layout), shape4)
         if view is None:  # strides that cannot be flattened: write a copy, then copy it over
             target, x = x if target is None else target, np.empty(like.shape, dtype=dtype)
@@ -152,22 +178,23 @@ def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
         user.append(x)
         copy_back.append(target)
 
-    batch_shape = (call.batch, call.n_heads, call.n_q)
+    rows_shape = call.q.shape[:3]  # (batch, Hq, Nq) as the kernel reads them
     return GradientCall(
-        dout=_heads_first(views["dout"], layout, call.batch),
-        out=_heads_first(views["out"], layout, call.batch),
-        lse=np.ascontiguousarray(lse.reshape(batch_shape), dtype=call.compute_dtype),
+        dout=_heads_first(views["dout"], layout).reshape(rows_shape + (call.head_dim_v,)),
+        out=_heads_first(views["out"], layout).reshape(rows_shape + (call.head_dim_v,)),
+        lse=np.ascontiguousarray(lse.reshape(rows_shape), dtype=call.compute_dtype),
         kernel=tuple(kernel), user=tuple(user), copy_back=tuple(copy_back))
 
 
-def _heads_first(x, layout, batch=None):
-    """`x` read as (heads, rows, dim) after its leading axes, as `attention_args` reads q;
-    with `batch`, the leading axes flattened to one (a copy where the strides need it)."""
+def _heads_first(x, layout):
+    """`x` read as (..., heads, rows, dim), as the forward's validation reads q: bhsd as it is
+    (one head for 2-D), bshd with its axes 1 and 2 swapped, packed (total, heads, dim) as one
+    batch entry."""
     if layout == "bshd":
-        x = np.swapaxes(x, 1, 2)
-    elif x.ndim < 3:
-        x = x[None]
-    return x if batch is None else x.reshape((batch,) + x.shape[-3:])
+        return np.swapaxes(x, 1, 2)
+    if layout == "thd":
+        return np.swapaxes(x, 0, 1)[None]
+    return x[None] if x.ndim < 3 else x
 
 
 def _sink_gradient(sinks, lse, delta):
@@ -177,39 +204,46 @@ def _sink_gradient(sinks, lse, delta):
     return (-(share * delta).sum(axis=(0, 2))).astype(np.float32)
 
 
-def _run_backward(call, grads, delta, fused=None):
-    """Choose tiles and the scheme, deal the work items to the threads and run the kernel.
+def _run_backward(call, grads, seqs, fused=None):
+    """Choose tiles and the scheme, deal the work items of the sequences `seqs` to the threads
+    and run the kernel; returns ``delta = rowsum(dout * out)`` (batch, Hq, Nq).
 
     `fused` (None: chosen by `_fuse`) runs one item per (sequence, kv head) that computes dQ
     too, instead of a key pass per key block and a query pass per query tile. Both sum in the
     same order, so the choice does not change the bits.
     """
+    delta = np.zeros_like(grads.lse)  # written by the kernel
+    if not (len(seqs) and call.n_heads and grads.lse.size + call.k.size):
+        for grad in grads.kernel:  # nothing to sum: zero gradients (dk, dv of kv heads
+            grad[...] = 0          # without query heads too)
+        return delta
     n_threads = numba.get_num_threads()
-    tiles = tiling.clamp_tiles(tiling.TileConfig(BLOCK_Q, BLOCK_K), call.n_q, call.n_k)
-    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
+    tiles = tiling.clamp_tiles(tiling.TileConfig(BLOCK_Q, BLOCK_K), longest_q, longest_k)
     group = call.n_heads // call.n_kv_heads
     q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
                                            tiles.block_k)
     q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
     k_items, k_cost = key_items(seqs, call.n_kv_heads, group, tiles.block_k, tiles.block_q,
                                 call.window)
-    whole = _whole_sequences(k_items, k_cost)
+    whole = _whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
     if fused is None:
         fused = _fuse(*whole, n_threads)
     k_items, k_chunks = _schedule.balance(*(whole if fused else (k_items, k_cost)), n_threads)
 
     compute = call.compute_dtype
     width = 2 * _simd.lanes_for(compute)
-    dq_acc = np.empty((call.batch * call.n_heads * call.n_q if fused else 0,
+    dq, dk, dv = grads.kernel
+    dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0,
                        -(-call.head_dim // width) * width), dtype=compute)
     kernel = fa2_backward.specialize((call.q.dtype, compute))
     left, right = call.window
-    dq, dk, dv = grads.kernel
     kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
            call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi, call.bias,
            call.bias_map, call.mask, call.mask_map)
+    return delta
 
 
 # The fused scheme does 5 tile products where the split one does 7 (it rebuilds S and dP for
@@ -229,15 +263,16 @@ def _fuse(items, cost, n_threads):
     return cost.sum() / (n_threads * loads.max()) >= FUSED_MIN_BUSY
 
 
-def _whole_sequences(items, cost):
-    """The key pass's items merged into one per (sequence, kv head): first key 0, summed cost."""
-    if not len(items):
-        return items, cost
-    pairs = items[:, ITEM_SEQ] * (items[:, ITEM_HEAD].max() + 1) + items[:, ITEM_HEAD]
-    unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
-    merged = items[first].copy()
-    merged[:, ITEM_Q0] = 0
-    return merged, np.bincount(inverse, weights=cost).astype(np.int64)
+def _whole_sequences(seqs, n_kv_heads, items, cost):
+    """The fused scheme's items: one per (sequence, kv head), first key 0, costing the sum of
+    the key pass's `items` for it; a sequence without keys too (its dQ is written as 0)."""
+    n_items = len(seqs) * n_kv_heads
+    which = items[:, ITEM_SEQ] * n_kv_heads + items[:, ITEM_HEAD]
+    whole = np.zeros((n_items, ITEM_COLUMNS), dtype=np.int64)
+    whole[:, ITEM_SEQ] = np.repeat(np.arange(len(seqs)), n_kv_heads)
+    whole[:, ITEM_HEAD] = np.tile(np.arange(n_kv_heads), len(seqs))
+    total = np.bincount(which, weights=cost, minlength=n_items).astype(np.int64)
+    return whole, np.maximum(total, _schedule.ITEM_OVERHEAD)
 
 
 def key_items(seqs, n_kv_heads, group, block_k, block_q, window):

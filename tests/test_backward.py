@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash._backward import attention_backward
+from cpuflash._backward import attention_backward, attention_varlen_backward
 from cpuflash.reference import attention_reference
 
 from accuracy import tolerance
-from helpers import assert_same_bits, low_precision_dtype, negative, random_qkv
+from helpers import (assert_same_bits, heads_first, low_precision_dtype, negative, packed,
+                     random_qkv)
 
 
 # -- the dense reference of the gradients ---------------------------------------------------------
@@ -66,7 +67,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
     dk = dtype.type(scale) * (t(ds) @ q)
     dv = t(p) @ dout
     if group > 1:  # the query heads of a group add up
-        dk, dv = (x.reshape(x.shape[:-3] + (-1, group) + x.shape[-2:]).sum(axis=-3)
+        dk, dv = (x.reshape(x.shape[:-3] + (k.shape[-3], group) + x.shape[-2:]).sum(axis=-3)
                   for x in (dk, dv))
     if layout == "bshd":
         dq, dk, dv = (np.swapaxes(x, 1, 2) for x in (dq, dk, dv))
@@ -348,8 +349,12 @@ def test_rows_that_see_no_key_get_zero_gradients(rng):
         assert_gradients_close(grads, dout, q, k, v, causal=True, mask=mask, sinks=sinks)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("n_q,n_k,hq", [(0, 5, 2), (5, 0, 2), (0, 0, 2), (5, 5, 0)])
-def test_empty(rng, n_q, n_k, hq):
+def test_empty(rng, monkeypatch, n_q, n_k, hq, fused):
+    from cpuflash import _backward
+
+    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
     q, k, v = random_qkv(rng, (2, hq, n_q, 8), (2, 1, n_k, 8), d_v=4)
     sinks = np.zeros(hq, np.float32)
     dout, grads = forward_and_backward(rng, q, k, v, sinks=sinks)
@@ -498,3 +503,41 @@ def test_agrees_with_torch_sdpa_backward(rng):
 def test_long_sequences(rng, options):
     q, k, v = random_qkv(rng, (1, 2, 1023, 128), (1, 1, 1500, 128), d_v=96)
     check(rng, q, k, v, **options)
+
+
+# -- packed sequences -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_varlen(rng, monkeypatch, fused):
+    """Each packed sequence's gradients are those of the sequence alone (empty ones too), and
+    the fused and split schemes give the same bits."""
+    from cpuflash import _backward
+
+    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    lens_q, lens_k = [5, 0, 130, 1, 77, 40], [7, 3, 100, 0, 200, 40]
+    q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k)
+    slopes = rng.uniform(0.01, 0.3, (len(lens_q), 4)).astype(np.float32)
+    options = dict(causal=True, window=(50, -1), softcap=4.0)
+    out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True,
+                                         alibi_slopes=slopes, **options)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                           alibi_slopes=slopes, **options)
+    for b in range(len(lens_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        got = tuple(heads_first(x) for x in (dq[rows], dk[keys], dv[keys]))
+        assert_gradients_close(got, heads_first(dout[rows]), heads_first(q[rows]),
+                               heads_first(k[keys]), heads_first(v[keys]),
+                               alibi_slopes=slopes[b], **options)
+    monkeypatch.setattr(_backward, "_fuse", lambda *args: not fused)
+    assert_same_bits(attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                               alibi_slopes=slopes, **options), (dq, dk, dv))
+
+
+def test_varlen_bad_input(rng):
+    q, k, v, cu_q, cu_k = packed(rng, [3, 4], [5, 6])
+    out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with pytest.raises(ValueError, match=r"`lse` must have shape \(4, 7\)"):
+        attention_varlen_backward(out, q, k, v, out, lse.T, cu_q, cu_k)
+    with pytest.raises(ValueError, match="`cu_seqlens_k` must end at the number of rows"):
+        attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_q)
