@@ -236,7 +236,7 @@ def check(rng, q, k, v, plain_dtype=None, **kwargs):
     return grads
 
 
-# -- every feature, on awkward sizes ----------------------------------------------------------------
+# -- every feature, on awkward sizes --------------------------------------------------------------
 
 SIZES = [(1, 1), (3, 3), (1, 239), (113, 239), (239, 113), (3, 70)]
 
@@ -333,7 +333,7 @@ def test_strided_inputs(rng):
     assert_same_bits(attention_backward(*strided, **options), expected)
 
 
-# -- rows and keys that see nothing, empty inputs -----------------------------------------------
+# -- rows and keys that see nothing, empty inputs -------------------------------------------------
 
 def test_rows_that_see_no_key_get_zero_gradients(rng):
     """Fully masked rows, rows before the first key (causal, Nq > Nk) and keys no row sees."""
@@ -362,7 +362,7 @@ def test_empty(rng, monkeypatch, n_q, n_k, hq, fused):
         assert g.shape == x.shape and not g.any()
 
 
-# -- determinism ------------------------------------------------------------------------------------
+# -- determinism ----------------------------------------------------------------------------------
 
 @pytest.fixture
 def restore_num_threads():
@@ -414,7 +414,7 @@ def test_gradients_written_over_inputs(rng):
     assert_same_bits(got, expected)
 
 
-# -- bad input --------------------------------------------------------------------------------------
+# -- bad input ------------------------------------------------------------------------------------
 
 def _bad_call_arguments(rng):
     q, k, v = random_qkv(rng, (1, 2, 10, 8), (1, 1, 12, 8), d_v=4)
@@ -505,7 +505,7 @@ def test_long_sequences(rng, options):
     check(rng, q, k, v, **options)
 
 
-# -- packed sequences -------------------------------------------------------------------------------
+# -- packed sequences -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_varlen(rng, monkeypatch, fused):

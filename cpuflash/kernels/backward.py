@@ -7,18 +7,23 @@ the LSE is final), and the gradients follow tile by tile:
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ += dS K,   dK += dS^T Q
 
 (the scale, and a softcap's derivative through `_steps.score_tile`'s chain factor, in their
-places). Two passes, each summing in a fixed order with no atomics, so the bits do not depend
-on the thread count:
+places). `delta` is computed first, in a pass of its own. Then one of two schemes, each summing
+in a fixed order with no atomics:
 
-* **the key pass**: one work item is one key block of one (sequence, kv head). It owns the
-  block's dK and dV and visits, for each query head of the kv head's group in turn, the query
-  tiles that see some key of the block (a GQA group's sum stays inside one item);
-* **the query pass**: one work item is one query tile of one (sequence, head), as in the
-  forward; it owns the tile's dQ and visits the key blocks the tile sees.
+* **split** (seven tile products): the **key pass** has one work item per key block of one
+  (sequence, kv head); it owns the block's dK and dV and visits, for each query head of the kv
+  head's group in turn, the query tiles that see some key of the block (a GQA group's sum stays
+  inside one item). The **query pass** has one item per query tile of one (sequence, head), as
+  in the forward; it owns the tile's dQ, visits the key blocks the tile sees and rebuilds S and
+  dP there;
+* **fused** (five products; `fused=True`): one key-pass item per (sequence, kv head) visits
+  every key block in turn and adds dS K to the dQ rows of its group, in `dq_acc`; the query
+  pass then has nothing to do. Fewer items, less work.
 
-Both rebuild S and dP (seven tile products for the five of a single pass), which buys one work
-item per key block and per query tile rather than one per (sequence, kv head). Blocks that no
-row can see (causal, windows) are never visited.
+Both add each block's contribution to dQ in the same order (key blocks ascending, each summed
+by the same micro-kernel), so the choice, which depends on the thread count, does not change the
+bits, and neither does the thread count. Blocks that no row can see (causal, windows) are never
+visited.
 
 The tiles are laid out as the forward's (`_steps`): rows are query rows in both passes, so the
 score pipeline is the forward's steps in the forward's orientation, and the products that sum
@@ -26,7 +31,7 @@ over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile tr
 
 Sequences and work items are described by the forward's tables (`_band.SEQ_*`,
 `_band.ITEM_*`); in the key pass an item's ``ITEM_HEAD`` is a kv head and ``ITEM_Q0`` the
-first key of its block.
+first key of its block (0 with `fused`).
 """
 
 import numba
