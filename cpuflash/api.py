@@ -3,7 +3,7 @@
 import numba
 import numpy as np
 
-from . import _combine, _kvcache, _schedule, _validate, tiling
+from . import _backward, _combine, _kvcache, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
@@ -249,3 +249,7 @@ def _run_decode(call):
     call.lse[...] = lse
     call.out_bhsd[...] = out  # rounds to a half-precision output dtype here
 
+
+# the gradients: `_backward` holds their argument handling and docstrings
+attention_backward = _validate.public()(_backward.attention_backward)
+attention_varlen_backward = _validate.public()(_backward.attention_varlen_backward)
