@@ -64,11 +64,13 @@ def _without_grad(name, tensor, torch):
     if not tensor.requires_grad:
         return tensor
     if torch.is_grad_enabled():
-        _fail(TypeError, f"`{name}` is a torch tensor that requires grad, but cpuflash has no "
-                         f"autograd yet: no gradient would flow back through this call. Call it "
-                         f"under `torch.no_grad()` or `torch.inference_mode()` (or pass "
-                         f"`{name}.detach()`) if you mean to, or wait for `cpuflash.torch` "
-                         f"(differentiable in q, k, v and sinks)")
+        _fail(TypeError, f"`{name}` is a torch tensor that requires grad, but cpuflash "
+                         f"has no autograd yet: no gradient would flow back through this "
+                         f"numpy-level call. For inference call it under `torch.no_grad()` or "
+                         f"`torch.inference_mode()` (or pass `{name}.detach()`); for gradients "
+                         f"use `cpuflash.torch` (its `attention` and "
+                         f"`scaled_dot_product_attention` are differentiable in q, k, v and "
+                         f"sinks)")
     return tensor.detach()  # grad mode is off: the caller asked for no gradient
 
 
