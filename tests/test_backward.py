@@ -11,7 +11,7 @@ from cpuflash.reference import attention_reference
 
 from accuracy import tolerance
 from helpers import (assert_same_bits, heads_first, low_precision_dtype, negative, packed,
-                     random_qkv)
+                     random_qkv, visible)
 
 
 # -- the dense reference of the gradients ---------------------------------------------------------
@@ -503,6 +503,120 @@ def test_agrees_with_torch_sdpa_backward(rng):
 def test_long_sequences(rng, options):
     q, k, v = random_qkv(rng, (1, 2, 1023, 128), (1, 1, 1500, 128), d_v=96)
     check(rng, q, k, v, **options)
+
+
+# -- non-finite values reach only the rows and keys that see them --------------------------------
+
+# one row of each input made non-finite in a few lanes: a NaN key element; NaN, inf and -inf in
+# a value row; inf in a query; NaN in an output gradient
+NONFINITE = {"k": {0: np.nan}, "v": {0: np.nan, 1: np.inf, -1: -np.inf}, "q": {3: np.inf},
+             "dout": {1: np.nan}}
+
+
+def with_row(x, row_axis, j, values):
+    """A copy of `x` with row j (on `row_axis`, every head) given `values` ({lane: value})."""
+    x = x.copy()
+    rows = np.moveaxis(x, row_axis, -2)
+    for lane, value in values.items():
+        rows[..., j, lane] = value
+    return x
+
+
+def check_hidden_nonfinite(run, arrays, sees, which, j, row_axis=-2):
+    """Row j of `arrays[which]` (a key row of k or v, a query row of q or dout) made non-finite
+    changes no bit of the gradients that cannot see it, against the same row made 0.
+
+    `run(q, k, v, dout)` gives (dq, dk, dv) with rows on `row_axis`; `sees` is the (rows, keys)
+    visibility. A key reaches dQ of the rows that see it, and through them dK, dV of every key
+    those rows see; a query row reaches dQ of itself and dK, dV of the keys it sees.
+    """
+    zeroed, bad = dict(arrays), dict(arrays)
+    zeroed[which] = with_row(arrays[which], row_axis, j, dict.fromkeys(NONFINITE[which], 0.0))
+    bad[which] = with_row(arrays[which], row_axis, j, NONFINITE[which])
+    clean, got = run(**zeroed), run(**bad)
+    if which in ("k", "v"):
+        rows_hit = sees[:, j]
+        keys_hit = sees[rows_hit].any(axis=0)
+    else:
+        rows_hit = np.arange(sees.shape[0]) == j
+        keys_hit = sees[j]
+    for name, g, c, hit in zip(("dq", "dk", "dv"), got, clean, (rows_hit, keys_hit, keys_hit)):
+        assert np.isfinite(c).all(), name
+        g, c = np.moveaxis(g, row_axis, -2), np.moveaxis(c, row_axis, -2)
+        assert_same_bits(g[..., ~hit, :], c[..., ~hit, :],
+                         f"{which} row {j} non-finite: {name} of the rows/keys that cannot see it")
+    return int((~rows_hit).sum() + (~keys_hit).sum())
+
+
+def _hiding_rule(rng, rule, n_q, n_k):
+    if rule == "mask":  # rows of a 6-row group that differ, and random keys
+        mask = rng.random((n_q, n_k)) < 0.6
+        mask[::2, :] |= rng.random((1, n_k)) < 0.5
+        mask[1::2, :] &= rng.random((1, n_k)) < 0.5
+        return dict(mask=mask, window=(80, -1))
+    return {"causal": dict(causal=True), "window": dict(window=(17, 23)),
+            "window_left": dict(window=(45, 0), softcap=5.0)}[rule]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("rule", ["causal", "window", "window_left", "mask"])
+def test_hidden_nonfinite_values_reach_no_gradient(rng, monkeypatch, rule, fused):
+    """A key or value row holding inf or NaN changes nothing in dQ of the rows that cannot see
+    it (nor dK, dV reached only through those rows), and a query or output-gradient row
+    nothing in dK, dV of the keys it cannot see: the forward's guarantee, kept by the
+    backward. Rows and keys on and next to the edges of tiles, panels and row groups."""
+    from cpuflash import _backward
+
+    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    n_q, n_k = 150, 200
+    q, k, v = random_qkv(rng, (1, 2, n_q, 40), (1, 1, n_k, 40), d_v=24)
+    dout = rng.standard_normal((1, 2, n_q, 24)).astype(np.float32)
+    options = _hiding_rule(rng, rule, n_q, n_k)
+    sees = visible(n_q, n_k, options.get("causal", False), options.get("window"))
+    if "mask" in options:
+        sees &= options["mask"]
+
+    def run(q, k, v, dout):
+        out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+        return attention_backward(dout, q, k, v, out, lse, **options)
+
+    arrays = dict(q=q, k=k, v=v, dout=dout)
+    hidden = 0
+    for j in (0, 31, 32, 63, 64, 95, 96, 97, 101, 150, 191, 192, n_k - 1):
+        hidden += check_hidden_nonfinite(run, arrays, sees, "k", j)
+        hidden += check_hidden_nonfinite(run, arrays, sees, "v", j)
+    for i in (0, 5, 6, 95, 96, 101, n_q - 1):
+        hidden += check_hidden_nonfinite(run, arrays, sees, "q", i)
+        hidden += check_hidden_nonfinite(run, arrays, sees, "dout", i)
+    assert hidden > 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_hidden_nonfinite_values_stay_in_their_packed_sequence(rng, monkeypatch, fused):
+    """Packed sequences: a non-finite row of one sequence changes no bit of its neighbours'
+    gradients (nor of its own rows and keys that cannot see it)."""
+    from cpuflash import _backward
+
+    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    lens_q, lens_k = [5, 0, 130, 77, 40], [7, 3, 100, 200, 40]
+    q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k)
+    dout = rng.standard_normal((cu_q[-1], 4, 24)).astype(np.float32)
+    options = dict(causal=True, window=(50, -1))
+    sees = np.zeros((cu_q[-1], cu_k[-1]), dtype=bool)
+    for b in range(len(lens_q)):
+        sees[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = visible(lens_q[b], lens_k[b], **options)
+
+    def run(q, k, v, dout):
+        out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+        return attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **options)
+
+    arrays = dict(q=q, k=k, v=v, dout=dout)
+    for j in sorted({0, 6, 7, 9, 10, 50, 109, 110, 111, 200, 309, 310, cu_k[-1] - 1}):
+        check_hidden_nonfinite(run, arrays, sees, "k", j, row_axis=0)
+        check_hidden_nonfinite(run, arrays, sees, "v", j, row_axis=0)
+    for i in sorted({0, 4, 5, 6, 100, 134, 135, 211, 212, cu_q[-1] - 1}):
+        check_hidden_nonfinite(run, arrays, sees, "q", i, row_axis=0)
+        check_hidden_nonfinite(run, arrays, sees, "dout", i, row_axis=0)
 
 
 # -- packed sequences -----------------------------------------------------------------------------

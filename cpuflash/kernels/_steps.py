@@ -744,6 +744,39 @@ def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, h
 
 
 @jit
+def finite_tile(tile, rows, cols):
+    """Whether ``tile[:rows, :cols]`` holds only finite numbers (x - x is 0 for those, NaN for
+    inf and NaN); `finite_rows` for tiles whose rows are not whole vectors."""
+    total = 0.0
+    for r in range(rows):
+        for c in range(cols):
+            total += tile[r, c] - tile[r, c]
+    return total == 0
+
+
+@jit
+def finite_panels(panels, cols):
+    """Whether the key panels of a block of `cols` keys (`pack_key_panels`, whose lanes past
+    `cols` are 0) hold only finite numbers."""
+    w = panels.shape[2]
+    total = vzeros(panels)
+    for o in range(0, (cols + w - 1) // w * panels.shape[1] * w, lanes(panels)):
+        x = vload(panels, o)
+        total = vadd(total, vsub(x, x))
+    return vhsum(total) == 0
+
+
+@jit
+def finite_lse(lse, delta, rows):
+    """Whether the rows' log-sum-exps (-inf allowed: a row that sees no key) and deltas are
+    finite."""
+    total = 0.0
+    for r in range(rows):
+        total += (delta[r] - delta[r]) + (0.0 if lse[r] == -np.inf else lse[r] - lse[r])
+    return total == 0
+
+
+@jit
 def tn_tile(a, b_rows, acc, rows, cols, lo_off, hi_off):
     """acc[c] += sum_r a[r, c] * b_rows[r] for the tile's columns c < cols: ``A^T B`` (dV += P^T
     dO, dK += dS^T Q), ROWS columns x two vectors at a time (four with 32 vector registers).
@@ -768,6 +801,30 @@ def tn_tile(a, b_rows, acc, rows, cols, lo_off, hi_off):
             _tn_micro1(a, c, b_rows, x0, acc, row0, row1)
             if wide:
                 _tn_micro1(a, c, b_rows, x0 + w, acc, row0, row1)
+
+
+@jit
+def tn_tile_exact(a, b_rows, acc, rows, cols, lo_off, hi_off, mask, mask_at):
+    """`tn_tile` column by column over only the rows that see each key: its band, and where
+    `mask` has entries, those of ``mask[bb, h, q0 + r, kb + c]`` (``mask_at = (bb, h, q0,
+    kb)``).
+
+    For a tile where a row that cannot see some key has an inf or NaN in `b_rows` (0 * inf is
+    NaN). With finite rows the sums are `tn_tile`'s (the same terms in the same order, less
+    terms that are 0), so the bits are the same.
+    """
+    n = lanes(acc)
+    bw, aw = acc.shape[1], a.shape[1]
+    bb, h, q0, kb = mask_at
+    masked = mask.shape[0] > 0
+    for c in range(cols):
+        row0, row1 = max(0, c - hi_off), min(rows, c + 1 - lo_off)
+        for x in range(0, bw, n):
+            total = vzeros(acc)
+            for r in range(row0, row1):
+                if not masked or mask[bb, h, q0 + r, kb + c]:
+                    total = vfma(vbroadcast(a, r * aw + c), vload(b_rows, r * bw + x), total)
+            vstore(acc, c * bw + x, vadd(vload(acc, c * bw + x), total))
 
 
 @jit

@@ -25,6 +25,14 @@ by the same micro-kernel), so the choice, which depends on the thread count, doe
 bits, and neither does the thread count. Blocks that no row can see (causal, windows) are never
 visited.
 
+Non-finite values stay where the forward keeps them: a key row holding inf or NaN reaches
+only the rows that see it, a query or output-gradient row only the keys it sees. A product sums
+a group of rows (or keys) over every key (or row) some of them sees, with 0 for the others, and
+0 * inf is NaN; so blocks where some row cannot see every key (a band edge crosses them, or a
+bool mask applies) are checked with `x - x` over their operands, and one with a non-finite
+operand is summed over what each row sees only (`_steps.tn_tile_exact`, `pv_tile_exact`): the
+same terms in the same order less terms that are 0, so finite rows keep their bits.
+
 The tiles are laid out as the forward's (`_steps`): rows are query rows in both passes, so the
 score pipeline is the forward's steps in the forward's orientation, and the products that sum
 over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile transposed.
@@ -54,6 +62,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     cdtype = lse.dtype
     mods = (qk_scale, softcap, alibi, bias, bias_map, mask, mask_map)
     has_chain = softcap > 0
+    has_mask = mask.shape[0] > 0
 
     # ---- delta = rowsum(dO * O) of every query row, which both passes read
     for chunk in prange(q_chunks.shape[0] - 1):
@@ -108,6 +117,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                     _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
                 dk_acc[:cols, :] = 0.0
                 dv_acc[:cols, :] = 0.0
+                keys_finite = (_steps.finite_panels(k_panels, cols)
+                               and _steps.finite_panels(v_panels, cols))
 
                 for h in range(hk * group, (hk + 1) * group):
                     for q0 in range(q_lo, q_hi, block_q):
@@ -130,13 +141,25 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
                                                cols, lo_off, hi_off, has_chain)
 
-                        # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K)
-                        _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
-                        _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+                        # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
+                        # cannot see every key and an operand is inf or NaN, over what each
+                        # row sees only (0 * inf is NaN)
+                        exact = (not inside or has_mask) and not (
+                            keys_finite and _finite_rows(q_tile, do_tile, lse_rows, delta_rows,
+                                                         rows))
+                        mask_at = (mask_map[seq], h, q0, k0)
+                        if exact:
+                            _steps.tn_tile_exact(scores, do_rows, dv_acc, rows, cols, lo_off,
+                                                 hi_off, mask, mask_at)
+                            _steps.tn_tile_exact(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off,
+                                                 mask, mask_at)
+                        else:
+                            _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
+                            _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
                         if fused:
                             row0 = _acc_row(dq, batch_q, h, q_start + q0)
-                            _steps.pv_tile(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows,
-                                           cols, lo_off, hi_off)
+                            _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
+                                      lo_off, hi_off, exact, mask, mask_at)
 
                 # -- each row of dK and dV written once
                 _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
@@ -175,6 +198,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
             _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
                              do_tile, lse_rows, delta_rows, half_kind)
             dq_rows[:rows, :] = 0.0
+            rows_finite = _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows)
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
@@ -195,10 +219,34 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                 _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
                                        lo_off, hi_off, has_chain)
 
-                # -- dQ += dS K
-                _steps.pv_tile(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
+                # -- dQ += dS K (over what each row sees only, as in the key pass)
+                exact = (not inside or has_mask) and not (
+                    rows_finite and _steps.finite_panels(k_panels, cols)
+                    and _steps.finite_panels(v_panels, cols))
+                _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask,
+                          (mask_map[seq], h, q0, kb))
 
             _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+
+
+@jit
+def _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows):
+    """Whether a query tile's rows hold only finite queries, output gradients, deltas and
+    log-sum-exps (-inf allowed: a row that sees no key)."""
+    return (_steps.finite_lse(lse_rows, delta_rows, rows)
+            and _steps.finite_tile(q_tile, rows, q_tile.shape[1])
+            and _steps.finite_tile(do_tile, rows, do_tile.shape[1]))
+
+
+@jit
+def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask, mask_at):
+    """dQ += dS K: `pv_tile`, or with `exact`, `pv_tile_exact` (over the keys each row sees;
+    the same bits for finite rows)."""
+    if exact:
+        _steps.pv_tile_exact(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, mask,
+                             mask_at)
+    else:
+        _steps.pv_tile(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
 
 
 @jit
