@@ -1,15 +1,14 @@
-"""cpuflash with torch CPU tensors: no copies in or out, and a drop-in for torch's SDPA.
+"""cpuflash with torch CPU tensors: no copies in or out, gradients, and a drop-in for torch's SDPA.
 
 `cpuflash.attention` takes anything `numpy.asarray` can view, torch CPU tensors included, so torch
 memory goes in as is, and ``torch.from_numpy`` (or ``out=tensor.numpy()``) hands the result back
-without a copy. `sdpa` below mirrors ``torch.nn.functional.scaled_dot_product_attention`` on CPU
-tensors and is checked against torch on several cases.
-
-It is for inference only: cpuflash has no autograd yet, so nothing it returns carries a gradient.
-Run it under ``torch.no_grad()`` or ``torch.inference_mode()``; a tensor that requires grad while
-grad mode is on is an error (no silent detach that would leave every gradient upstream of
-attention None). Training needs the autograd adapter, ``cpuflash.torch`` (to come). Exits 0 with
-a message without torch.
+without a copy. That numpy-level call carries no gradient, so a tensor that requires grad while
+grad mode is on is refused there (no silent detach that would leave every gradient upstream of
+attention None). For training, `cpuflash.torch` wraps the kernels as torch custom operators with
+autograd: ``cpuflash.torch.attention`` (cpuflash's keywords) and
+``cpuflash.torch.scaled_dot_product_attention``, a drop-in for
+``torch.nn.functional.scaled_dot_product_attention`` checked here against torch on several cases,
+values and gradients. Exits 0 with a message without torch.
 
     python examples/torch_interop.py
     python examples/torch_interop.py --small   # used by the tests
@@ -17,45 +16,15 @@ a message without torch.
 
 import argparse
 
-import numpy as np
-
 import cpuflash
 
 try:
     import torch
     import torch.nn.functional as F
+
+    import cpuflash.torch
 except ImportError:
     torch = None
-
-
-def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
-    """``torch.nn.functional.scaled_dot_product_attention`` for CPU tensors, by cpuflash.
-
-    Shapes are torch's: query ``(..., Hq, L, E)``, key ``(..., Hk, S, E)``, value
-    ``(..., Hk, S, Ev)``. A query row that sees no key gives 0 (torch >= 2.5 too; older torch NaN).
-    Forward only: the tensors go to cpuflash as they are (numpy views of torch's memory), and
-    cpuflash raises a TypeError for one that requires grad while grad mode is on.
-    """
-    if query.shape[:-2] != key.shape[:-2] and not enable_gqa:
-        raise ValueError(f"query has shape {tuple(query.shape)} and key {tuple(key.shape)}: "
-                         "different head counts need enable_gqa=True (as in torch)")
-    if is_causal and attn_mask is not None:
-        raise ValueError("attn_mask and is_causal cannot both be set (as in torch)")
-    n_q, n_k = query.shape[-2], key.shape[-2]
-    visibility = {}
-    if is_causal:
-        # torch aligns the diagonal top-left (key j visible to query i iff j <= i), cpuflash
-        # bottom-right (j <= i + n_k - n_q): they agree only when n_q == n_k.
-        if n_q == n_k:
-            visibility["causal"] = True
-        elif n_q > n_k:  # j <= i + (n_k - n_q) + right, with right = n_q - n_k >= 1
-            visibility["window"] = (-1, n_q - n_k)
-        else:  # right would be negative, which a window cannot express: an explicit mask
-            visibility["mask"] = np.tri(n_q, n_k, dtype=bool)
-    elif attn_mask is not None:
-        # torch: a boolean mask selects the keys that take part, a float mask is added
-        visibility["mask" if attn_mask.dtype == torch.bool else "bias"] = attn_mask
-    return torch.from_numpy(cpuflash.attention(query, key, value, scale=scale, **visibility))
 
 
 def show_zero_copy(n, d):
@@ -75,29 +44,33 @@ def show_zero_copy(n, d):
     return shared_in and shared_out and torch.equal(out_t, buffer_t)
 
 
-def show_no_silent_detach(n, d):
-    """A tensor that requires grad is refused while grad mode is on, and taken under no_grad."""
+def show_gradients(n, d):
+    """The numpy-level call refuses a tensor that requires grad; `cpuflash.torch` differentiates."""
     weight = torch.randn(d, d, requires_grad=True)  # a projection being trained
     x = torch.randn(2, 4, n, d)
     q = x @ weight  # requires grad
     try:
-        sdpa(q, x, x)
+        cpuflash.attention(q, x, x)
     except TypeError as exc:
         refused = "requires grad" in str(exc)
-        print(f"training (grad mode on): refused, as it should be:\n  TypeError: {exc}")
+        print(f"cpuflash.attention (grad mode on): refused, as it should be:\n  TypeError: {exc}")
     else:
         refused = False
-        print("training (grad mode on): NOT refused: a gradient would have been lost")
-    with torch.no_grad():  # inference: no gradient wanted, said so deliberately
-        out = sdpa(q, x, x)
-    taken = out.shape == (2, 4, n, d) and not out.requires_grad
-    print(f"inference (torch.no_grad()): runs, output shape {tuple(out.shape)}")
-    return refused and taken
+        print("cpuflash.attention (grad mode on): NOT refused: a gradient would have been lost")
+    grads = []
+    for sdpa in (cpuflash.torch.scaled_dot_product_attention, F.scaled_dot_product_attention):
+        weight.grad = None
+        sdpa(x @ weight, x, x, is_causal=True).square().sum().backward()
+        grads.append(weight.grad)
+    err = ((grads[0] - grads[1]).abs().max() / grads[1].abs().max()).item()
+    print(f"cpuflash.torch.scaled_dot_product_attention: weight gradient within {err:.1e} "
+          f"(relative) of torch SDPA's")
+    return refused and err < 1e-4
 
 
 def compare_with_torch(name, q, k, v, **kwargs):
     """cpuflash's error vs torch float64 must be at most 2x torch float32's, on live rows."""
-    ours = sdpa(q, k, v, **kwargs)
+    ours = cpuflash.torch.scaled_dot_product_attention(q, k, v, **kwargs)
     theirs = F.scaled_dot_product_attention(q, k, v, **kwargs)
     mask = kwargs.get("attn_mask")
     float_mask = mask is not None and mask.is_floating_point()
@@ -119,7 +92,7 @@ def compare_with_torch(name, q, k, v, **kwargs):
 
 
 def compare_all(n, d):
-    """`sdpa` against torch's on causal (three alignments), masks and GQA."""
+    """The drop-in against torch's on causal (three alignments), masks and GQA."""
 
     def qkv(n_q, n_k, heads_q=4, heads_k=4):
         return (torch.randn(2, heads_q, n_q, d), torch.randn(2, heads_k, n_k, d),
@@ -128,7 +101,7 @@ def compare_all(n, d):
     bool_mask = torch.rand(2, 1, n, n) < 0.3
     bool_mask[:, :, 0] = False  # a row with no key at all
     float_mask = torch.randn(n, n).masked_fill(torch.rand(n, n) < 0.5, float("-inf"))
-    print(f"sdpa() vs torch.nn.functional.scaled_dot_product_attention, D={d}:")
+    print(f"cpuflash.torch vs torch.nn.functional.scaled_dot_product_attention, D={d}:")
     ok = compare_with_torch("Nq == Nk, is_causal", *qkv(n, n), is_causal=True)
     ok &= compare_with_torch("Nq < Nk, is_causal", *qkv(n // 4, n), is_causal=True)
     ok &= compare_with_torch("Nq > Nk, is_causal", *qkv(n, n // 2), is_causal=True)
@@ -148,8 +121,8 @@ def main(argv=None):
         return
     n, d = (128, 32) if args.small else (1024, 64)
     torch.manual_seed(0)
-    ok = show_no_silent_detach(n, d)
-    with torch.inference_mode():  # cpuflash is forward only: run it where no gradient is wanted
+    ok = show_gradients(n, d)
+    with torch.inference_mode():  # forward only here: no gradient wanted
         ok &= show_zero_copy(n, d)
         ok &= compare_all(n, d)
     if not ok:
