@@ -12,18 +12,10 @@ import numba
 import numpy as np
 
 from . import _schedule, _simd, _validate, tiling
-from .kernels._band import (ITEM_COLUMNS, ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_N_K, SEQ_N_Q,
-                            visible_keys)
+from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.backward import fa2_backward
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
-
-# The backward's tiles (block_q query rows x block_k keys, in both passes). They do not depend
-# on the thread count, so neither do the sums. TODO(tiling): measured choice per head dim, in
-# `tiling` (the one home of tile sizes).
-BLOCK_Q = 96
-BLOCK_K = 96
-
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None,
@@ -219,14 +211,14 @@ def _run_backward(call, grads, seqs, fused=None):
         return delta
     n_threads = numba.get_num_threads()
     longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
-    tiles = tiling.clamp_tiles(tiling.TileConfig(BLOCK_Q, BLOCK_K), longest_q, longest_k)
+    tiles = tiling.backward_tiles(longest_q, longest_k)
     group = call.n_heads // call.n_kv_heads
     q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
                                            tiles.block_k)
     q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
-    k_items, k_cost = key_items(seqs, call.n_kv_heads, group, tiles.block_k, tiles.block_q,
-                                call.window)
-    whole = _whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
+    k_items, k_cost = _schedule.key_items(seqs, call.n_kv_heads, group, tiles.block_k,
+                                          tiles.block_q, call.window)
+    whole = _schedule.whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
     if fused is None:
         fused = _fuse(*whole, n_threads)
     k_items, k_chunks = _schedule.balance(*(whole if fused else (k_items, k_cost)), n_threads)
@@ -261,38 +253,3 @@ def _fuse(items, cost, n_threads):
     owner = np.repeat(np.arange(len(chunk_ptr) - 1), np.diff(chunk_ptr))
     loads = np.bincount(owner, weights=dealt[:, -1], minlength=n_threads)
     return cost.sum() / (n_threads * loads.max()) >= FUSED_MIN_BUSY
-
-
-def _whole_sequences(seqs, n_kv_heads, items, cost):
-    """The fused scheme's items: one per (sequence, kv head), first key 0, costing the sum of
-    the key pass's `items` for it; a sequence without keys too (its dQ is written as 0)."""
-    n_items = len(seqs) * n_kv_heads
-    which = items[:, ITEM_SEQ] * n_kv_heads + items[:, ITEM_HEAD]
-    whole = np.zeros((n_items, ITEM_COLUMNS), dtype=np.int64)
-    whole[:, ITEM_SEQ] = np.repeat(np.arange(len(seqs)), n_kv_heads)
-    whole[:, ITEM_HEAD] = np.tile(np.arange(n_kv_heads), len(seqs))
-    total = np.bincount(which, weights=cost, minlength=n_items).astype(np.int64)
-    return whole, np.maximum(total, _schedule.ITEM_OVERHEAD)
-
-
-def key_items(seqs, n_kv_heads, group, block_k, block_q, window):
-    """The key pass's work items, (sequence, kv head, first key of the block), and the number of
-    query-key pairs each may see (over the `group` query heads it visits; query tiles start at
-    multiples of `block_q`, as in the kernel). TODO(_schedule): the twin of
-    `_schedule.work_items`."""
-    n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
-    blocks = -(-n_k // block_k)
-    seq = np.repeat(np.arange(len(seqs)), blocks)
-    first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    k0 = first * block_k
-    cols = np.minimum(block_k, n_k[seq] - k0)
-    # the query rows that see a key of the block: `visible_keys` from the keys' side
-    left, right = window
-    q_lo, q_hi = visible_keys(k0 - (n_k[seq] - n_q[seq]), cols, n_q[seq], right, left, block_q)
-    pairs = cols * np.maximum(0, q_hi - q_lo) * group
-
-    items = np.empty((len(seq) * n_kv_heads, ITEM_COLUMNS), dtype=np.int64)
-    items[:, ITEM_SEQ] = np.repeat(seq, n_kv_heads)
-    items[:, ITEM_HEAD] = np.tile(np.arange(n_kv_heads), len(seq))
-    items[:, ITEM_Q0] = np.repeat(k0, n_kv_heads)
-    return items, np.repeat(pairs, n_kv_heads) + _schedule.ITEM_OVERHEAD

@@ -1,6 +1,8 @@
 """Work items and their distribution over threads (numpy only, no Numba).
 
-A work item is one tile of `block_q` query rows of one (sequence, head). Items differ in cost
+A work item is one tile of `block_q` query rows of one (sequence, head) (`work_items`); the
+backward's key pass has one per block of `block_k` keys of one (sequence, kv head)
+(`key_items`), or one per (sequence, kv head) (`whole_sequences`). Items differ in cost
 (causal and windowed tiles see different numbers of keys, varlen sequences differ in length), and
 Numba's `prange` hands each thread one contiguous range of iterations, so the kernels loop over
 *chunks* of items prepared here: one chunk per thread, balanced by estimated cost. Which thread
@@ -42,21 +44,56 @@ def work_items(seqs, n_heads, block_q, window, key_align):
     """All (sequence, head, first row) items and the number of query-key pairs each may see
     (a tile's first key block starts at a multiple of `key_align`, as in the kernel)."""
     n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
-    blocks = -(-n_q // block_q)
-    seq = np.repeat(np.arange(len(seqs)), blocks)
-    first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
-    q0 = first * block_q
+    seq, q0 = _blocks(n_q, block_q)
     rows = np.minimum(block_q, n_q[seq] - q0)
     # the same key range the kernel computes for the tile
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
     k_lo, k_hi = visible_keys(diag0, rows, n_k[seq], left, right, key_align)
-    pairs = rows * np.maximum(0, k_hi - k_lo)
+    return _per_head(seq, q0, rows * np.maximum(0, k_hi - k_lo), n_heads)
 
+
+def key_items(seqs, n_kv_heads, group, block_k, block_q, window):
+    """The backward's key items: (sequence, kv head, first key of a block of `block_k`), and the
+    number of query-key pairs each may see over the `group` query heads it visits (query tiles
+    start at multiples of `block_q`, as in the kernel)."""
+    n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
+    seq, k0 = _blocks(n_k, block_k)
+    cols = np.minimum(block_k, n_k[seq] - k0)
+    # the query rows that see a key of the block: `visible_keys` from the keys' side (key j is
+    # seen by rows j - shift - right .. j - shift + left)
+    left, right = window
+    q_lo, q_hi = visible_keys(k0 - (n_k[seq] - n_q[seq]), cols, n_q[seq], right, left, block_q)
+    return _per_head(seq, k0, cols * np.maximum(0, q_hi - q_lo) * group, n_kv_heads)
+
+
+def whole_sequences(seqs, n_kv_heads, items, cost):
+    """The backward's fused items: one per (sequence, kv head), first key 0, costing the sum of
+    the `key_items` `items` for it; a sequence without keys too (its dQ is written as 0)."""
+    n_items = len(seqs) * n_kv_heads
+    which = items[:, ITEM_SEQ] * n_kv_heads + items[:, ITEM_HEAD]
+    whole = np.zeros((n_items, ITEM_COLUMNS), dtype=np.int64)
+    whole[:, ITEM_SEQ] = np.repeat(np.arange(len(seqs)), n_kv_heads)
+    whole[:, ITEM_HEAD] = np.tile(np.arange(n_kv_heads), len(seqs))
+    total = np.bincount(which, weights=cost, minlength=n_items).astype(np.int64)
+    return whole, np.maximum(total, ITEM_OVERHEAD)
+
+
+def _blocks(lengths, block):
+    """``(seq, first)``: every block of `block` positions of each sequence of `lengths`, as the
+    sequence and the first position of the block, sequence by sequence."""
+    blocks = -(-lengths // block)
+    seq = np.repeat(np.arange(len(lengths)), blocks)
+    first = np.arange(blocks.sum()) - np.repeat(np.cumsum(blocks) - blocks, blocks)
+    return seq, first * block
+
+
+def _per_head(seq, first, pairs, n_heads):
+    """The items of blocks ``(seq, first)`` for each of `n_heads` heads, and their costs."""
     items = np.empty((len(seq) * n_heads, ITEM_COLUMNS), dtype=np.int64)
     items[:, ITEM_SEQ] = np.repeat(seq, n_heads)
     items[:, ITEM_HEAD] = np.tile(np.arange(n_heads), len(seq))
-    items[:, ITEM_Q0] = np.repeat(q0, n_heads)
+    items[:, ITEM_Q0] = np.repeat(first, n_heads)
     return items, np.repeat(pairs, n_heads) + ITEM_OVERHEAD
 
 

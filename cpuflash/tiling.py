@@ -135,6 +135,20 @@ def band_tiles(tiles, window):
     return TileConfig(tiles.block_q, block_k), KEY_PANEL
 
 
+# The backward's tiles (`backward_tiles`), in both of its passes. Fixed rather than from the
+# cache model: a sweep of block_q and block_k over 48 .. 192 on the 2-core test machine was
+# flat within noise, so one middle size, a multiple of ROW_GROUP and KEY_PANEL. The sums follow
+# the blocks, so the bits depend on these (never on the thread count).
+BACKWARD_BLOCK_Q = 96
+BACKWARD_BLOCK_K = 96
+
+
+def backward_tiles(n_q, n_k):
+    """The backward's tiles for sequences of at most `n_q` rows and `n_k` keys:
+    ``BACKWARD_BLOCK_Q x BACKWARD_BLOCK_K``, no larger than the call needs (`clamp_tiles`)."""
+    return clamp_tiles(TileConfig(BACKWARD_BLOCK_Q, BACKWARD_BLOCK_K), n_q, n_k)
+
+
 def clamp_tiles(tiles, n_q, n_k):
     """`tiles` no larger than the longest sequences need (`n_q` rows, `n_k` keys, rounded up to
     a whole panel): the same blocks, hence the same results, with buffers that fit the call."""

@@ -133,3 +133,12 @@ def test_a_narrow_window_is_one_key_block_per_tile(window, block_q):
 def test_other_windows_keep_their_blocks(window):
     tiles = cpuflash.TileConfig(384, 256)
     assert tiling.band_tiles(tiles, window) == (tiles, 256)
+
+
+def test_backward_tiles():
+    """Whole row groups and key panels (the kernels' facts that keep the bits independent of
+    the thread count), shrunk to the call like the forward's."""
+    tiles = tiling.backward_tiles(10**6, 10**6)
+    assert (tiles.block_q, tiles.block_k) == (tiling.BACKWARD_BLOCK_Q, tiling.BACKWARD_BLOCK_K)
+    assert tiles.block_q % tiling.ROW_GROUP == 0 and tiles.block_k % tiling.KEY_PANEL == 0
+    assert tiling.backward_tiles(10, 40) == cpuflash.TileConfig(10, 64)
