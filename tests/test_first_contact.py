@@ -135,12 +135,13 @@ def test_foreign_keyword_names_cpuflash_s_own(rng, name, keyword, value, match):
     ("attention_with_kvcache", "seqlens_k", r"`seqlens_k` is `cache_seqlens` in cpuflash"),
     ("attention_with_kvcache", "sm_scale", r"`sm_scale` is `scale` in cpuflash"),
     # a name whose cpuflash equivalent this function lacks: where it lives instead
+    # (`\b`: cpuflash.attention itself, whichever other functions follow it)
     ("attention_varlen", "attn_mask", r": cpuflash's `mask` or `bias` for it is a keyword of "
-                                      r"cpuflash\.attention \(the keywords of "
+                                      r"cpuflash\.attention\b.* \(the keywords of "
                                       r"cpuflash\.attention_varlen: q, k, v, cu_seqlens_q"),
     ("attention", "max_seqlen_k", r": cpuflash's `cu_seqlens_k` for it is a keyword of "
                                   r"cpuflash\.attention_varlen"),
-    ("attention_varlen", "bias", r"`bias` is a keyword of cpuflash\.attention \("),
+    ("attention_varlen", "bias", r"`bias` is a keyword of cpuflash\.attention\b.* \("),
     ("attention", "cache_seqlens", r"`cache_seqlens` is a keyword of "
                                    r"cpuflash\.attention_with_kvcache"),
 ])
