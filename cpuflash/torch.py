@@ -19,7 +19,12 @@ import math
 from typing import Optional
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:
+    raise ImportError("cpuflash.torch needs torch (pip install \"cpuflash[torch]\"); the rest of "
+                      "cpuflash works without it") from exc
 
 from . import api
 
