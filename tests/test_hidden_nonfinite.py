@@ -21,8 +21,6 @@ from accuracy import assert_close_to_reference
 from helpers import (assert_same_bits, assert_same_nonfinite, cache_case, heads_first, packed,
                      random_qkv, to_pages, visible)
 
-XFAIL = pytest.mark.xfail(strict=True, reason="kernel fix in progress")
-
 # (which array, {column: the value put there} in one key row): a NaN key element, and a value
 # row with NaN, inf and -inf in its first, second and last lanes
 CORRUPTIONS = [("k", {0: np.nan}), ("v", {0: np.nan, 1: np.inf, -1: -np.inf})]
@@ -134,9 +132,7 @@ def attention_cases():
             for shape in SHAPES:
                 if shape != "square" and tiles not in ((12, 32), None):
                     continue
-                # rows whose every visible key has bias -inf: see test_bias_minus_inf_...
-                marks = XFAIL if (rule, shape) == ("bias -inf", "more queries") else ()
-                cases.append(pytest.param(rule, tiles, shape, marks=marks,
+                cases.append(pytest.param(rule, tiles, shape,
                                           id=f"{rule}-{tiles and 'x'.join(map(str, tiles))}"
                                              f"-{shape}"))
     return cases
@@ -192,7 +188,6 @@ def test_the_first_reported_leak(window, rows):
     assert_same_bits(out[0, 0, hidden], clean[0, 0, hidden], "the rows that cannot see key 300")
 
 
-@XFAIL
 @pytest.mark.parametrize("tiles", [None, (1, 1)])
 def test_bias_minus_inf_on_every_visible_key_and_a_nan_value(tiles):
     """Row 1 sees only key 0 (causal, Nq = 4 > Nk = 3), whose bias is -inf: the reference's

@@ -613,8 +613,9 @@ def _rescale_add(acc, o, alpha, t0, t1):
 def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_kind):
     """out = acc / row_sum and lse = max + log(sum), written once per row.
 
-    `sink` (-inf when absent) joins the denominator only. A row with nothing visible writes
-    zeros and lse -inf (the sink's value when there is one).
+    `sink` (-inf when absent) joins the denominator only. A row with nothing visible (or whose
+    visible scores are all -inf) writes zeros and lse -inf (the sink's value when there is
+    one).
     """
     n = lanes(acc)
     whole_vectors = vector_rows(out, n)
@@ -625,8 +626,14 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_k
             total = total * math.exp2((m - top) * LOG2E) + math.exp2((sink - top) * LOG2E)
             norm = math.exp2((m - top) * LOG2E) / total
             m = top
+        elif total == 0:  # nothing visible, or only scores of -inf: zeros, whatever acc holds
+            # (a value row of probability 0 leaves 0 * inf = NaN there)
+            for x in range(out.shape[3]):
+                out[b, h, start + r, x] = narrow(0.0, out.dtype, half_kind)
+            lse[b, h, start + r] = -np.inf
+            continue
         else:
-            norm = 1.0 / total if total != 0 else 0.0  # NaN stays NaN
+            norm = 1.0 / total  # NaN stays NaN
         norm = like_dtype(norm, acc)  # one rounding, whichever way the row is written
         if whole_vectors:  # (rounded to a half-precision output as it is stored)
             o = row_offset(out, b, h, start + r)
