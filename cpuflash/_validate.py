@@ -64,9 +64,9 @@ def _without_grad(name, tensor, torch):
     if not tensor.requires_grad:
         return tensor
     if torch.is_grad_enabled():
-        _fail(TypeError, f"`{name}` is a torch tensor that requires grad, but cpuflash "
-                         f"has no autograd yet: no gradient would flow back through this "
-                         f"numpy-level call. For inference call it under `torch.no_grad()` or "
+        _fail(TypeError, f"`{name}` is a torch tensor that requires grad, but this "
+                         f"numpy-level call has no autograd: no gradient would flow back "
+                         f"through it. For inference call it under `torch.no_grad()` or "
                          f"`torch.inference_mode()` (or pass `{name}.detach()`); for gradients "
                          f"use `cpuflash.torch` (its `attention` and "
                          f"`scaled_dot_product_attention` are differentiable in q, k, v and "

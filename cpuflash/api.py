@@ -70,12 +70,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     -----
     float32 and float64 are computed natively; float16 and bfloat16 (``ml_dtypes.bfloat16``) are
     widened tile by tile and accumulated in float32. A query row that sees no key gets output 0
-    and lse ``-inf`` (with `sinks`: lse ``sinks[h]``), as in flash-attn; torch returns NaN there.
+    and lse ``-inf`` (with `sinks`: lse ``sinks[h]``), as in flash-attn (torch 2.13 gives 0 too).
     Results do not depend on the number of threads (``numba.set_num_threads``).
 
-    torch CPU tensors are read in place. cpuflash has no autograd yet: a tensor that requires
-    grad is a TypeError while grad mode is on (no gradient is dropped silently); under
-    ``torch.no_grad()`` or ``torch.inference_mode()`` it is read like any other.
+    torch CPU tensors are read in place. This numpy-level call has no autograd (use
+    `cpuflash.torch` for that): a tensor that requires grad is a TypeError while grad mode is on
+    (no gradient is dropped silently); under ``torch.no_grad()`` or ``torch.inference_mode()``
+    it is read like any other.
     """
     call = _validate.attention_args(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,

@@ -1,5 +1,6 @@
 """The errors a new user meets first: flash-attn's layout, other libraries' keyword names, and
-torch tensors that require grad (cpuflash has no autograd: no gradient may be dropped silently)."""
+torch tensors that require grad (the numpy-level calls have no autograd: no gradient may be
+dropped silently)."""
 
 import inspect
 import subprocess
@@ -217,8 +218,9 @@ def torch():
 def test_tensor_requiring_grad_is_refused_under_grad_mode(torch, rng):
     q, k, v = (torch.from_numpy(x) for x in call_args(rng)[cpuflash.attention])
     q_grad = q.clone().requires_grad_()
-    with pytest.raises(TypeError, match=r"`q` is a torch tensor that requires grad, but cpuflash "
-                                        r"has no autograd yet: no gradient would flow back.*"
+    with pytest.raises(TypeError, match=r"`q` is a torch tensor that requires grad, but this "
+                                        r"numpy-level call has no autograd: no gradient would "
+                                        r"flow back.*"
                                         r"`torch\.no_grad\(\)`.*`cpuflash\.torch`"):
         cpuflash.attention(q_grad, k, v)
     bias = torch.zeros(6, 6, requires_grad=True)
