@@ -53,6 +53,17 @@ visible_keys = jit(_band.visible_keys)
 sees_all = jit(_band.sees_all)
 
 
+@jit
+def work_item(items, item, seqs):
+    """Row `item` of a work table and its sequence's row of `seqs` (`_band`'s columns):
+    ``(seq, head, first, batch_q, q_start, n_q, batch_k, k_start, n_k)``, where `first` is the
+    first query row of the item's tile (the first key of its block in the backward's key pass)."""
+    seq = items[item, _band.ITEM_SEQ]
+    return (seq, items[item, _band.ITEM_HEAD], items[item, _band.ITEM_Q0],
+            seqs[seq, _band.SEQ_BATCH_Q], seqs[seq, _band.SEQ_Q_START], seqs[seq, _band.SEQ_N_Q],
+            seqs[seq, _band.SEQ_BATCH_K], seqs[seq, _band.SEQ_K_START], seqs[seq, _band.SEQ_N_K])
+
+
 def lanes(arr):
     """Elements of `arr`'s dtype in one SIMD vector (a compile-time constant in kernels)."""
     return _simd.lanes_for(arr.dtype)

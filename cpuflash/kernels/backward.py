@@ -49,8 +49,6 @@ from numba import prange, types
 from .._jit import Kernel, array, jit
 from .._simd import vfma, vhsum, vload, vzeros
 from . import _steps
-from ._band import (ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_K_START,
-                    SEQ_N_K, SEQ_N_Q, SEQ_Q_START)
 
 
 def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
@@ -68,9 +66,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     for chunk in prange(q_chunks.shape[0] - 1):
         do_rows, o_rows = _rows_buffer(block_q, d_v, lse), _rows_buffer(block_q, d_v, lse)
         for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
-            seq, h, q0 = q_items[item, ITEM_SEQ], q_items[item, ITEM_HEAD], q_items[item, ITEM_Q0]
-            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
-                                     seqs[seq, SEQ_N_Q])
+            seq, h, q0, batch_q, q_start, n_q, _, _, _ = _steps.work_item(q_items, item, seqs)
             _store_deltas(dout, out, batch_q, h, q_start + q0, min(block_q, n_q - q0), do_rows,
                           o_rows, delta, half_kind)
 
@@ -91,12 +87,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
 
         for item in range(k_chunks[chunk], k_chunks[chunk + 1]):
-            seq, hk, k_first = (k_items[item, ITEM_SEQ], k_items[item, ITEM_HEAD],
-                                k_items[item, ITEM_Q0])
-            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
-                                     seqs[seq, SEQ_N_Q])
-            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
-                                     seqs[seq, SEQ_N_K])
+            (seq, hk, k_first, batch_q, q_start, n_q,
+             batch_k, k_start, n_k) = _steps.work_item(k_items, item, seqs)
             shift = n_k - n_q  # bottom-right alignment: query row i sits over key i + shift
             if fused:
                 for h in range(hk * group, (hk + 1) * group):
@@ -183,11 +175,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         ones = np.ones(block_q, dtype=cdtype)
 
         for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
-            seq, h, q0 = q_items[item, ITEM_SEQ], q_items[item, ITEM_HEAD], q_items[item, ITEM_Q0]
-            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
-                                     seqs[seq, SEQ_N_Q])
-            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
-                                     seqs[seq, SEQ_N_K])
+            (seq, h, q0, batch_q, q_start, n_q,
+             batch_k, k_start, n_k) = _steps.work_item(q_items, item, seqs)
             hk = h // group
             rows = min(block_q, n_q - q0)
             diag0 = q0 + n_k - n_q

@@ -23,8 +23,6 @@ from numba import prange, types
 
 from .._jit import Kernel, array
 from . import _steps
-from ._band import (ITEM_HEAD, ITEM_Q0, ITEM_SEQ, SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_K_START,
-                    SEQ_N_K, SEQ_N_Q, SEQ_Q_START)
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
@@ -49,11 +47,8 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
         alpha = np.empty(block_q, dtype=cdtype)
 
         for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
-            seq, h, q0 = items[item, ITEM_SEQ], items[item, ITEM_HEAD], items[item, ITEM_Q0]
-            batch_q, q_start, n_q = (seqs[seq, SEQ_BATCH_Q], seqs[seq, SEQ_Q_START],
-                                     seqs[seq, SEQ_N_Q])
-            batch_k, k_start, n_k = (seqs[seq, SEQ_BATCH_K], seqs[seq, SEQ_K_START],
-                                     seqs[seq, SEQ_N_K])
+            (seq, h, q0, batch_q, q_start, n_q,
+             batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
             hk = h // group
             rows = min(block_q, n_q - q0)
             # bottom-right alignment: query row i sits over key column i + shift
