@@ -121,13 +121,7 @@ def assert_close_to_reference(got, q, k, v, *, lse=None, plain_dtype=None, **kwa
         floor = tolerance(dtype) * float(np.abs(ref).max())
         if spread is not None:
             floor = floor + ROUNDING_SIGMAS * spread
-        floor = np.broadcast_to(floor, errors.shape)
-        excess = errors - (2 * plain_err + floor)
-        worst = np.unravel_index(np.argmax(excess), excess.shape)
-        assert excess[worst] <= 0, (
-            f"max error {errors.max():.3g} vs plain {plain_err:.3g}; at output {worst} the "
-            f"error {errors[worst]:.3g} exceeds 2 x plain + floor "
-            f"= {2 * plain_err:.3g} + {float(floor[worst]):.3g}")
+        assert_within_rule(errors, plain_err, floor, "output")
     if lse is not None:
         assert lse.shape == ref_lse.shape
         finite = np.isfinite(ref_lse)
@@ -138,3 +132,15 @@ def assert_close_to_reference(got, q, k, v, *, lse=None, plain_dtype=None, **kwa
         plain_lse_err = np.abs(plain_lse[finite] - ref_lse[finite]).max(initial=0)
         assert lse_err <= 2 * plain_lse_err + lse_floor, \
             f"lse error {lse_err:.3g} vs plain {plain_lse_err:.3g}"
+
+
+def assert_within_rule(errors, plain_err, floor, what):
+    """Every element's error is at most twice the plain implementation's largest error plus its
+    floor (a scalar or one per element); the message names the worst element of `what`."""
+    floor = np.broadcast_to(floor, errors.shape)
+    excess = errors - (2 * plain_err + floor)
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    assert excess[worst] <= 0, (
+        f"{what}: max error {errors.max():.3g} vs plain {plain_err:.3g}; at {worst} the error "
+        f"{errors[worst]:.3g} exceeds 2 x plain + floor = {2 * plain_err:.3g} + "
+        f"{float(floor[worst]):.3g}")
