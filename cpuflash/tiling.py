@@ -26,7 +26,7 @@ KEY_PANEL = 32
 # Query blocks are multiples of it: of the micro-kernels' 6-row groups (`_steps.ROWS`, asserted
 # there) and of 8. The groups then start at the same rows of a sequence for every block_q
 # chosen here, so a row is summed the same way for every thread count.
-ROW_GROUP = 24
+BLOCK_Q_MULTIPLE = 24
 # Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md
 # "Tiles"): past 384 x 256 the speed is flat, while fewer, larger work items feed the threads
 # worse.
@@ -108,8 +108,8 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
     block_k = max(KEY_PANEL, min(MAX_BLOCK_K, block_k // KEY_PANEL * KEY_PANEL))
 
     budget = int(L2_SHARE * l2) // e - block_k * (d + dv)
-    block_q = budget // (d + dv + block_k) // ROW_GROUP * ROW_GROUP
-    block_q = max(ROW_GROUP, min(MAX_BLOCK_Q, block_q))
+    block_q = budget // (d + dv + block_k) // BLOCK_Q_MULTIPLE * BLOCK_Q_MULTIPLE
+    block_q = max(BLOCK_Q_MULTIPLE, min(MAX_BLOCK_Q, block_q))
     return TileConfig(block_q, block_k)
 
 
@@ -137,8 +137,8 @@ def band_tiles(tiles, window):
 
 # The backward's tiles (`backward_tiles`), in both of its passes. Fixed rather than from the
 # cache model: a sweep of block_q and block_k over 48 .. 192 on the 2-core test machine was
-# flat within noise, so one middle size, a multiple of ROW_GROUP and KEY_PANEL. The sums follow
-# the blocks, so the bits depend on these (never on the thread count).
+# flat within noise, so one middle size, a multiple of BLOCK_Q_MULTIPLE and KEY_PANEL. The
+# sums follow the blocks, so the bits depend on these (never on the thread count).
 BACKWARD_BLOCK_Q = 96
 BACKWARD_BLOCK_K = 96
 
@@ -206,8 +206,8 @@ def split_for_threads(tiles, n_rows, n_heads_total, n_threads):
     re-uses each K/V block less, but an idle core costs more.
     """
     block_q = tiles.block_q
-    while block_q > ROW_GROUP and n_heads_total * -(-n_rows // block_q) < 2 * n_threads:
-        block_q = max(ROW_GROUP, (block_q // 2) // ROW_GROUP * ROW_GROUP)
+    while block_q > BLOCK_Q_MULTIPLE and n_heads_total * -(-n_rows // block_q) < 2 * n_threads:
+        block_q = max(BLOCK_Q_MULTIPLE, (block_q // 2) // BLOCK_Q_MULTIPLE * BLOCK_Q_MULTIPLE)
     return TileConfig(block_q, tiles.block_k) if block_q != tiles.block_q else tiles
 
 

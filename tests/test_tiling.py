@@ -23,10 +23,11 @@ def test_working_set_fits(machine, d, dtype):
     cache = CACHES[machine]
     tiles = cpuflash.choose_tiles(d, dtype, cache=cache)
     l1, l2 = tiling.working_set_bytes(tiles, d, dtype)
-    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.ROW_GROUP == 0
+    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.BLOCK_Q_MULTIPLE == 0
     at_minimum = tiles.block_k == tiling.KEY_PANEL
     assert l1 <= tiling.L1_SHARE * cache["l1d"] or at_minimum
-    assert l2 <= tiling.L2_SHARE * cache["l2"] or (at_minimum and tiles.block_q == tiling.ROW_GROUP)
+    assert l2 <= tiling.L2_SHARE * cache["l2"] or (
+        at_minimum and tiles.block_q == tiling.BLOCK_Q_MULTIPLE)
 
 
 @pytest.mark.parametrize("machine", CACHES)
@@ -37,10 +38,11 @@ def test_working_set_fits_with_another_value_head_dim(machine, d, d_v, dtype):
     cache = CACHES[machine]
     tiles = cpuflash.choose_tiles(d, dtype, cache=cache, head_dim_v=d_v)
     l1, l2 = tiling.working_set_bytes(tiles, d, dtype, head_dim_v=d_v)
-    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.ROW_GROUP == 0
+    assert tiles.block_k % tiling.KEY_PANEL == 0 and tiles.block_q % tiling.BLOCK_Q_MULTIPLE == 0
     at_minimum = tiles.block_k == tiling.KEY_PANEL
     assert l1 <= tiling.L1_SHARE * cache["l1d"] or at_minimum
-    assert l2 <= tiling.L2_SHARE * cache["l2"] or (at_minimum and tiles.block_q == tiling.ROW_GROUP)
+    assert l2 <= tiling.L2_SHARE * cache["l2"] or (
+        at_minimum and tiles.block_q == tiling.BLOCK_Q_MULTIPLE)
     # Dv = D is the default; a larger Dv never gives larger tiles
     assert cpuflash.choose_tiles(d, dtype, cache=cache, head_dim_v=d) == \
         cpuflash.choose_tiles(d, dtype, cache=cache)
@@ -140,5 +142,5 @@ def test_backward_tiles():
     the thread count), shrunk to the call like the forward's."""
     tiles = tiling.backward_tiles(10**6, 10**6)
     assert (tiles.block_q, tiles.block_k) == (tiling.BACKWARD_BLOCK_Q, tiling.BACKWARD_BLOCK_K)
-    assert tiles.block_q % tiling.ROW_GROUP == 0 and tiles.block_k % tiling.KEY_PANEL == 0
+    assert tiles.block_q % tiling.BLOCK_Q_MULTIPLE == 0 and tiles.block_k % tiling.KEY_PANEL == 0
     assert tiling.backward_tiles(10, 40) == cpuflash.TileConfig(10, 64)

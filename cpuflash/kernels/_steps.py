@@ -45,7 +45,7 @@ WIDE = _simd.LANES_F32 == 16
 # query block is whole row groups, so a row falls in the same micro-tile group (and rounds the
 # same way) whatever block it is in; key blocks start on panel borders, so no panel of a
 # block straddles two blocks.
-assert tiling.ROW_GROUP % ROWS == 0, "query blocks must be whole micro-tile row groups"
+assert tiling.BLOCK_Q_MULTIPLE % ROWS == 0, "query blocks must be whole micro-tile row groups"
 assert tiling.KEY_PANEL % (2 * _simd.LANES_F32) == 0, "key blocks must start on panel borders"
 
 # the keys a tile's rows see (shared with the scheduler, see `_band`)

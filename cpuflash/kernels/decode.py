@@ -35,8 +35,8 @@ from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
 
-# how many key rows ahead `_dot_quad` and `_dot_pair` prefetch (16 rows of 128 float32: 8 KiB;
-# 32 and 64 read 0.97x as fast, prefetches to L2 only 0.94x)
+# how many key rows ahead `_stream_dot4` and `_stream_dot2` prefetch (16 rows of 128 float32:
+# 8 KiB; 32 and 64 read 0.97x as fast, prefetches to L2 only 0.94x)
 AHEAD = 16
 CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
@@ -44,7 +44,7 @@ NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
 
 def line_elements(arr):
     """Elements of `arr`'s dtype in one cache line (a compile-time constant in kernels: as a
-    loop step computed at run time, it made `_dot_quad`'s prefetch cost as much as its
+    loop step computed at run time, it made `_stream_dot4`'s prefetch cost as much as its
     arithmetic)."""
     return CACHE_LINE // arr.itemsize
 
@@ -233,35 +233,35 @@ def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ah
     the same block columns in `later` (`later_runs`, the same columns: the block's value rows),
     one cache line per vector: the kernel reads two arrays in turns, and the
     hardware prefetcher would start each turn cold. The one-pass kernels for eight vectors
-    (`_dot_quad`, `_dot_pair`) prefetch their own key rows ahead instead, past the block's end
-    into the next block, whose first row is at flat `next_start` of `keys` (`NOTHING_NEXT`:
+    (`_stream_dot4`, `_stream_dot2`) prefetch their own key rows ahead instead, past the block's
+    end into the next block, whose first row is at flat `next_start` of `keys` (`NOTHING_NEXT`:
     no next block).
     """
     if _one_pass(q_rows.shape[1], rows, half_kind, q_rows):
         if rows > 2:
-            _dot_quad(q_rows, rows, keys, runs, scores, half_kind, next_start)
+            _stream_dot4(q_rows, rows, keys, runs, scores, half_kind, next_start)
         else:
-            _dot_pair(q_rows, rows, keys, runs, scores, half_kind, next_start)
+            _stream_dot2(q_rows, rows, keys, runs, scores, half_kind, next_start)
         return
     for r in range(0, rows, 4):
-        _dot_four(q_rows, r, min(4, rows - r), keys, runs, scores, half_kind, later, later_runs,
-                  ahead and r == 0)
+        _dot4x4(q_rows, r, min(4, rows - r), keys, runs, scores, half_kind, later, later_runs,
+                ahead and r == 0)
 
 
 @jit
 def _one_pass(width, rows, half_kind, like):
-    """Whether a block goes through the one-pass kernels (`_dot_quad`, `_dot_pair`,
-    `_pv_pair`): up to four query rows of a head dim of eight vectors, in a float cache. Half
+    """Whether a block goes through the one-pass kernels (`_stream_dot4`, `_stream_dot2`,
+    `_stream_pv2`): up to four query rows of a head dim of eight vectors, in a float cache. Half
     caches keep the four-row shapes: the one-pass Q K^T, widening as it loads, measured 2x
     slower on a float16 cache."""
     return width == 8 * _steps.lanes(like) and rows <= 4 and half_kind == 0
 
 
 @jit
-def _dot_pair(q_rows, count, keys, runs, scores, half_kind, next_start):
+def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
-    keys at a time, prefetching the key rows `AHEAD` columns on as `_dot_quad` does. A
+    keys at a time, prefetching the key rows `AHEAD` columns on as `_stream_dot4` does. A
     missing second row repeats the first, its sums landing in the padding rows of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
     run_cols, starts, n_runs, step = runs
@@ -288,7 +288,7 @@ def _dot_pair(q_rows, count, keys, runs, scores, half_kind, next_start):
 
 
 @jit
-def _dot_quad(q_rows, count, keys, runs, scores, half_kind, next_start):
+def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
     stream far more than its arithmetic (docs/performance.md). Rows 0 and 1 keep their query
@@ -325,7 +325,7 @@ def _dot_quad(q_rows, count, keys, runs, scores, half_kind, next_start):
 @jit
 def _run_jump(runs, i, next_start):
     """How far the row after run i's last lies from where it would be in the same run, in
-    elements: the prefetches of `_dot_quad` and `_dot_pair` add it past a run's end. The row
+    elements: the prefetches of `_stream_dot4` and `_stream_dot2` add it past a run's end. The row
     after the block's last run is the next block's first, at flat `next_start`; with none
     (`NOTHING_NEXT`), the prefetches fall back on the run's own rows, already read."""
     run_cols, starts, n_runs, step = runs
@@ -437,7 +437,7 @@ def _dot2(keys, k, half_kind, qs):
 
 
 @jit
-def _dot_four(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, ahead):
+def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, ahead):
     """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
     vector once for four keys, and one shared reduction tree for the 16 sums."""
@@ -512,7 +512,7 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
         return
     if _one_pass(width, rows, half_kind, acc):
         for r in range(0, rows, 2):
-            _pv_pair(scores, r, min(2, rows - r), values, runs, acc, alpha, half_kind)
+            _stream_pv2(scores, r, min(2, rows - r), values, runs, acc, alpha, half_kind)
         return
     no_later = (later_runs[0], later_runs[1], 0, later_runs[3])  # rows past the first four
     for r in range(0, rows, 4):
@@ -566,7 +566,7 @@ def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band
 
 
 @jit
-def _pv_pair(scores, r, count, values, runs, acc, alpha, half_kind):
+def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
