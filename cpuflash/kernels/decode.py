@@ -113,15 +113,16 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                 n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
                                      min(block_k, k_hi - kb - block_k), page_size, next_cols,
                                      next_starts)
-                _dot_rows(q_rows, k_cache, run_cols, k_starts, n_runs, k_step, scores, rows,
-                          half_kind, v_cache, v_starts, v_step, True,
+                _dot_rows(q_rows, k_cache, (run_cols, k_starts, n_runs, k_step), scores, rows,
+                          half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), True,
                           next_starts[0] if n_next else NOTHING_NEXT)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
                 _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows,
                             half_kind)
-                _dot_rows(q_rows, k_rows, run_cols, k_starts, n_runs, k_step, scores, rows,
-                          half_kind, v_cache, v_starts, v_step, False, NOTHING_NEXT)
+                _dot_rows(q_rows, k_rows, (run_cols, k_starts, n_runs, k_step), scores, rows,
+                          half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), False,
+                          NOTHING_NEXT)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -143,12 +144,12 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             band = (n_q, shift - kb, left, right) if not inside else (n_q, 0, -1, -1)
             if direct:
-                _pv_rows(scores, v_cache, run_cols, v_starts, n_runs, v_step, dv, acc, alpha,
-                         rows, half_kind, k_cache, next_cols, next_starts, n_next, k_step, band)
+                _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
+                         rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), band)
             else:
                 _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half_kind)
-                _pv_rows(scores, v_tile, run_cols, v_starts, n_runs, v_step, v_tile.shape[1],
-                         acc, alpha, rows, half_kind, k_cache, next_cols, next_starts, 0, k_step,
+                _pv_rows(scores, v_tile, (run_cols, v_starts, n_runs, v_step), v_tile.shape[1],
+                         acc, alpha, rows, half_kind, k_cache, (next_cols, next_starts, 0, k_step),
                          band)
 
         # -- this split's normalized rows and their log-sum-exp
@@ -216,10 +217,11 @@ def _row_starts(r, count, stride):
 
 
 @jit
-def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half_kind, later,
-              later_starts, later_step, ahead, next_start):
-    """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as runs
-    (`_block_runs`; flat element offsets into `keys`, rows `step` elements apart). q_rows are
+def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ahead,
+              next_start):
+    """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as `runs`
+    = (run_cols, starts, n_runs, step) (`_block_runs`: block column run_cols[i] is the row at
+    flat element starts[i] of `keys`, the run's next rows `step` elements apart). q_rows are
     zero-padded to whole vectors and so must the key rows be, or D a multiple of them.
 
     Each dot product is one chain of FMAs along D, summed by `vstore_hsums` (bit for bit
@@ -228,8 +230,8 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half_k
     `rows`, which nothing reads.
 
     With `ahead`, the four-row micro-kernel of the first four rows also prefetches the rows of
-    the same block columns in `later` (runs `later_starts`, `later_step` apart: the block's
-    value rows), one cache line per vector: the kernel reads two arrays in turns, and the
+    the same block columns in `later` (`later_runs`, the same columns: the block's value rows),
+    one cache line per vector: the kernel reads two arrays in turns, and the
     hardware prefetcher would start each turn cold. The one-pass kernels for eight vectors
     (`_stream_dot4`, `_stream_dot2`) prefetch their own key rows ahead instead, past the block's
     end into the next block, whose first row is at flat `next_start` of `keys` (`NOTHING_NEXT`:
@@ -237,15 +239,13 @@ def _dot_rows(q_rows, keys, run_cols, starts, n_runs, step, scores, rows, half_k
     """
     if _one_pass(q_rows.shape[1], rows, half_kind, q_rows):
         if rows > 2:
-            _stream_dot4(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half_kind,
-                         next_start)
+            _stream_dot4(q_rows, rows, keys, runs, scores, half_kind, next_start)
         else:
-            _stream_dot2(q_rows, rows, keys, run_cols, starts, n_runs, step, scores, half_kind,
-                         next_start)
+            _stream_dot2(q_rows, rows, keys, runs, scores, half_kind, next_start)
         return
     for r in range(0, rows, 4):
-        _dot4x4(q_rows, r, min(4, rows - r), keys, run_cols, starts, n_runs, step, scores,
-                half_kind, later, later_starts, later_step, ahead and r == 0)
+        _dot4x4(q_rows, r, min(4, rows - r), keys, runs, scores, half_kind, later, later_runs,
+                ahead and r == 0)
 
 
 @jit
@@ -258,18 +258,18 @@ def _one_pass(width, rows, half_kind, like):
 
 
 @jit
-def _stream_dot2(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half_kind,
-                 next_start):
+def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
     keys at a time, prefetching the key rows `AHEAD` columns on as `_stream_dot4` does. A
     missing second row repeats the first, its sums landing in the padding rows of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
+    run_cols, starts, n_runs, step = runs
     qs = _pair_vectors(q_rows, 0, (count - 1) * dp)
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
         ahead = AHEAD * step  # the prefetched rows: in this run, then in the next one
-        beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
+        beyond = ahead + _run_jump(runs, i, next_start)
         while c + 4 <= end:
             _prefetch_rows(keys, k + (ahead if c + AHEAD + 4 <= end else beyond), 4, step, dp)
             a0, b0 = _dot2(keys, k, half_kind, qs)
@@ -288,8 +288,7 @@ def _stream_dot2(q_rows, count, keys, run_cols, starts, n_runs, step, scores, ha
 
 
 @jit
-def _stream_dot4(q_rows, count, keys, run_cols, starts, n_runs, step, scores, half_kind,
-                 next_start):
+def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
     stream far more than its arithmetic (docs/performance.md). Rows 0 and 1 keep their query
@@ -302,12 +301,13 @@ def _stream_dot4(q_rows, count, keys, run_cols, starts, n_runs, step, scores, ha
     took as long as the arithmetic. A missing fourth row repeats the third, its sums landing in
     the padding row of `scores`."""
     dp, sw = q_rows.shape[1], scores.shape[1]
+    run_cols, starts, n_runs, step = runs
     qs = _pair_vectors(q_rows, 0, dp)
     o2, o3 = 2 * dp, (count - 1) * dp
     for i in range(n_runs):
         c, end, k = run_cols[i], run_cols[i + 1], starts[i]
         ahead = AHEAD * step  # the prefetched rows: in this run, then in the next one
-        beyond = ahead + _run_jump(run_cols, starts, n_runs, step, i, next_start)
+        beyond = ahead + _run_jump(runs, i, next_start)
         while c + 2 <= end:
             _prefetch_rows(keys, k + (ahead if c + AHEAD + 2 <= end else beyond), 2, step, dp)
             a0, a1, b0, b1, e0, e1, f0, f1 = _dot4x2(keys, k, k + step, half_kind, qs, q_rows,
@@ -323,11 +323,12 @@ def _stream_dot4(q_rows, count, keys, run_cols, starts, n_runs, step, scores, ha
 
 
 @jit
-def _run_jump(run_cols, starts, n_runs, step, i, next_start):
+def _run_jump(runs, i, next_start):
     """How far the row after run i's last lies from where it would be in the same run, in
     elements: the prefetches of `_stream_dot4` and `_stream_dot2` add it past a run's end. The row
     after the block's last run is the next block's first, at flat `next_start`; with none
     (`NOTHING_NEXT`), the prefetches fall back on the run's own rows, already read."""
+    run_cols, starts, n_runs, step = runs
     if i + 1 < n_runs:
         after = starts[i + 1]
     elif next_start != NOTHING_NEXT:
@@ -346,9 +347,10 @@ def _prefetch_rows(arr, o, rows, step, width):
 
 
 @jit
-def _run_position(run_cols, starts, n_runs, step, c):
+def _run_position(runs, c):
     """(run, flat offset of its row) of block column c of a block given as runs; (n_runs, 0)
     past the block's end."""
+    run_cols, starts, n_runs, step = runs
     j = 0
     while j < n_runs and run_cols[j + 1] <= c:
         j += 1
@@ -356,8 +358,9 @@ def _run_position(run_cols, starts, n_runs, step, c):
 
 
 @jit
-def _next_position(run_cols, starts, n_runs, step, c, j, o):
+def _next_position(runs, c, j, o):
     """`_run_position` of column c + 1 from that of column c, (j, o)."""
+    run_cols, starts, n_runs, step = runs
     if j >= n_runs:
         return j, o
     if c + 1 < run_cols[j + 1]:
@@ -434,12 +437,13 @@ def _dot2(keys, k, half_kind, qs):
 
 
 @jit
-def _dot4x4(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half_kind, later,
-            later_starts, later_step, ahead):
+def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, ahead):
     """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
     vector once for four keys, and one shared reduction tree for the 16 sums."""
     n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    run_cols, starts, n_runs, step = runs
+    later_starts, later_step = later_runs[1], later_runs[3]
     q0, q1, q2, q3 = _row_starts(r, count, dp)
     for i in range(n_runs):
         c, end, k, lk = run_cols[i], run_cols[i + 1], starts[i], later_starts[i]
@@ -485,9 +489,8 @@ def _dot4x4(q_rows, r, count, keys, run_cols, starts, n_runs, step, scores, half
 
 
 @jit
-def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows, half_kind,
-             later, later_cols, later_starts, n_later, later_step, band):
-    """acc = alpha * acc + P V over the value rows given as runs (see `_dot_rows`), their
+def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, later_runs, band):
+    """acc = alpha * acc + P V over the value rows given as `runs` (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
 
     `band` = (n_q, offset, left, right): row r sees block columns from its diagonal
@@ -501,37 +504,33 @@ def _pv_rows(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, 
     whole value rows at a time (every value row read front to back, nothing else loaded but
     P); others take four rows x four vectors, then four rows x one, the four-vector passes of
     the first four rows prefetching meanwhile the same columns of the rows in `later` given as
-    runs (the next block's key rows; see `_dot_rows`).
+    `later_runs` (the next block's key rows).
     """
     n = _steps.lanes(acc)
-    if ((band[2] >= 0 or band[3] >= 0)
-            and not _finite_runs(values, run_cols, starts, n_runs, step, width, half_kind, acc)):
-        _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows,
-                      half_kind, band)
+    if (band[2] >= 0 or band[3] >= 0) and not _finite_runs(values, runs, width, half_kind, acc):
+        _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band)
         return
     if _one_pass(width, rows, half_kind, acc):
         for r in range(0, rows, 2):
-            _stream_pv2(scores, r, min(2, rows - r), values, run_cols, starts, n_runs, step,
-                        acc, alpha, half_kind)
+            _stream_pv2(scores, r, min(2, rows - r), values, runs, acc, alpha, half_kind)
         return
+    no_later = (later_runs[0], later_runs[1], 0, later_runs[3])  # rows past the first four
     for r in range(0, rows, 4):
         count = min(4, rows - r)
         x = 0
         while x + 4 * n <= width:
-            _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
-                         alpha, half_kind, later, later_cols, later_starts,
-                         n_later if r == 0 else 0,
-                         later_step)
+            _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later,
+                         later_runs if r == 0 else no_later)
             x += 4 * n
         for x in range(x, width, n):
-            _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc,
-                         alpha, half_kind)
+            _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind)
 
 
 @jit
-def _finite_runs(values, run_cols, starts, n_runs, step, width, half_kind, like):
+def _finite_runs(values, runs, width, half_kind, like):
     """Whether the value rows given as runs hold only finite numbers in their first `width`
     elements (x - x is 0 for those, NaN for inf and NaN)."""
+    run_cols, starts, n_runs, step = runs
     total = vzeros(like)
     for i in range(n_runs):
         o = starts[i]
@@ -544,11 +543,11 @@ def _finite_runs(values, run_cols, starts, n_runs, step, width, half_kind, like)
 
 
 @jit
-def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, alpha, rows,
-                  half_kind, band):
+def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
     n, sw = _steps.lanes(acc), scores.shape[1]
+    run_cols, starts, n_runs, step = runs
     n_q, offset, left, right = band
     for r in range(rows):
         diag = r % n_q + offset
@@ -567,10 +566,11 @@ def _pv_rows_seen(scores, values, run_cols, starts, n_runs, step, width, acc, al
 
 
 @jit
-def _stream_pv2(scores, r, count, values, run_cols, starts, n_runs, step, acc, alpha, half_kind):
+def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
+    run_cols, starts, n_runs, step = runs
     p0, p1 = r * sw, (r + count - 1) * sw
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzeros(acc)
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = a0
@@ -599,15 +599,16 @@ def _stream_pv2(scores, r, count, values, run_cols, starts, n_runs, step, acc, a
 
 
 @jit
-def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
-                 half_kind, later, later_cols, later_starts, n_later, later_step):
+def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later, later_runs):
     """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
     n, sw = _steps.lanes(acc), scores.shape[1]
+    run_cols, starts, n_runs, step = runs
+    n_later = later_runs[2]
     p0, p1, p2, p3 = _row_starts(r, count, sw)
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
-    j, lo = _run_position(later_cols, later_starts, n_later, later_step, 0)  # the later row
+    j, lo = _run_position(later_runs, 0)  # the later row
     for i in range(n_runs):
         o = starts[i] + x
         for c in range(run_cols[i], run_cols[i + 1]):
@@ -619,7 +620,7 @@ def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
                 prefetch(later, lo + x + n)
                 prefetch(later, lo + x + 2 * n)
                 prefetch(later, lo + x + 3 * n)
-                j, lo = _next_position(later_cols, later_starts, n_later, later_step, c, j, lo)
+                j, lo = _next_position(later_runs, c, j, lo)
             p = vbroadcast(scores, p0 + c)
             a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
                 vfma(p, v3, a03)
@@ -643,10 +644,10 @@ def _pv_micro4x4(scores, r, count, values, run_cols, starts, n_runs, step, x, ac
 
 
 @jit
-def _pv_micro4x1(scores, r, count, values, run_cols, starts, n_runs, step, x, acc, alpha,
-                 half_kind):
+def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
     """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
     sw = scores.shape[1]
+    run_cols, starts, n_runs, step = runs
     p0, p1, p2, p3 = _row_starts(r, count, sw)
     a0 = a1 = a2 = a3 = vzeros(acc)
     for i in range(n_runs):
