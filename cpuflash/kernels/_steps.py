@@ -684,7 +684,7 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
 
     `chain` receives the derivative of the final score by ``scale * q . k`` where it is not 1
     (with a softcap), so a gradient step needs no knowledge of the modifiers: a modifier
-    with a gradient records its factor here, one place.
+    with a gradient records its factor here, one place. The forward passes an empty `chain`.
     """
     seq, h, q0, kb, diag0 = at
     inside, lo_off, hi_off, left, right = band
@@ -695,7 +695,8 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
     # -- modifiers, in the order of the score pipeline
     if softcap > 0:
         softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
-        softcap_chain_tile(scores, chain, rows, cols, softcap, lo_off, hi_off)
+        if chain.shape[0] > 0:
+            softcap_chain_tile(scores, chain, rows, cols, softcap, lo_off, hi_off)
     if alibi.shape[1] > 0:
         alibi_tile(scores, rows, cols, alibi[seq, h], diag0 - kb, lo_off, hi_off)
     if bias.shape[0] > 0:

@@ -32,12 +32,10 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
     dv = v.shape[3]
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
-    has_alibi = alibi.shape[1] > 0
-    has_bias = bias.shape[0] > 0
     has_mask = mask.shape[0] > 0
     has_sinks = sinks.shape[0] > 0
-    # with a softcap, tanh needs s / softcap first
-    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
+    modifiers = (qk_scale, softcap, alibi, bias, bias_map, mask, mask_map)
+    no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
         # -- thread-local tile state, allocated once per chunk of work items
@@ -65,16 +63,13 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
-            slope = alibi[seq, h] if has_alibi else 0.0
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
                 # -- the band of this block each row sees (tile columns r + lo_off ..
                 # r + hi_off); blocks inside it need no element masks, and on its edges whole
                 # panels are skipped
-                inside = _steps.sees_all(diag0, rows, kb, cols, left, right)
-                lo_off = diag0 - kb - left if left >= 0 and not inside else -_steps.UNBOUNDED
-                hi_off = diag0 - kb + right if right >= 0 and not inside else _steps.UNBOUNDED
+                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
 
                 # -- pack the keys and values some row sees (from a whole panel)
                 w = k_panels.shape[2]
@@ -86,25 +81,12 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                     _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                      v_tile[first:], half_kind)
 
-                # -- S = scale * Q K^T
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
-
-                # -- score modifiers, in the order of the score pipeline, on each row's band
-                if softcap > 0:
-                    _steps.softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
-                if has_alibi:
-                    _steps.alibi_tile(scores, rows, cols, slope, diag0 - kb, lo_off, hi_off)
-                if has_bias:
-                    _steps.add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0,
-                                    lo_off, hi_off)
-
-                # -- visibility: only blocks that cross a band edge pay for element masks
-                if not inside:
-                    _steps.band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off,
-                                          hi_off)
-                if has_mask:
-                    _steps.bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols,
-                                          lo_off, hi_off)
+                # -- S = scale * Q K^T and the score modifiers, in the order of the score
+                # pipeline, on each row's band; -inf where a key is hidden (element masks only
+                # in blocks that cross a band edge)
+                _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols,
+                                  (seq, h, q0, kb, diag0), (inside, lo_off, hi_off, left, right),
+                                  modifiers)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
