@@ -17,6 +17,7 @@ from .kernels.backward import fa2_backward
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
+
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None,
                        layout="bhsd", dq=None, dk=None, dv=None):
