@@ -3,7 +3,7 @@
 import numba
 import numpy as np
 
-from . import _backward, _combine, _kvcache, _schedule, _validate, tiling
+from . import _backward, _combine, _kvcache, _plans, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
@@ -78,11 +78,34 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     (no gradient is dropped silently); under ``torch.no_grad()`` or ``torch.inference_mode()``
     it is read like any other.
     """
+    key = None
+    if (alibi_slopes is None and bias is None and mask is None and sinks is None and out is None
+            and tiles is None):
+        q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
+        key = _decode_key("attention", q, k, v, None, causal, scale, window, softcap, layout, 0,
+                          return_lse)
+        setup = _plans.get(key)
+        if setup is not None:
+            result = _decode_again(setup, q, k, v, None, return_lse)
+            if result is not None:
+                return result
     call = _validate.attention_args(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
         return_lse=return_lse, out=out, tiles=tiles)
-    if call.n_q and call.batch and call.n_heads:
+    if not (call.n_q and call.batch and call.n_heads):
+        return call.result(return_lse)
+    if (call.n_k and call.tiles is None and not call.bias.size and not call.mask.size
+            and call.n_heads // call.n_kv_heads * call.n_q <= tiling.DECODE_MAX_ROWS):
+        # a few query rows per kv head: the streaming decode kernel, in a number of key splits
+        # that no thread count changes (the results must not depend on it)
+        setup = _Decode(call, layout, call.n_k, _ATTENTION_SPLIT_THREADS)
+        if key is not None and q.ndim == 4:
+            _plans.put(key, setup.frozen())
+        n_keys = np.full(call.batch, call.n_k, dtype=np.int64)
+        _decode(setup, call.q, call.k, call.v, n_keys, call.n_k, call.out_bhsd, call.lse,
+                call.sinks)
+    else:
         _run_forward(call, _schedule.sequence_table(call.n_q, call.n_k, call.batch))
     return call.result(return_lse)
 
@@ -187,6 +210,18 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     out : (B, Hq, Nq, Dv) array (``(B, Nq, Hq, Dv)`` with ``"bshd"``), the dtype of `q`
     lse : (B, Hq, Nq) array, only with ``return_lse=True``
     """
+    key = None
+    if k is None and v is None and block_table is None and alibi_slopes is None and sinks is None:
+        q = _validate.as_array("q", q)
+        k_cache = _validate.as_array("k_cache", k_cache)
+        v_cache = _validate.as_array("v_cache", v_cache)
+        key = _decode_key("kvcache", q, k_cache, v_cache, cache_seqlens, causal, scale, window,
+                          softcap, layout, num_splits, return_lse)
+        setup = _plans.get(key)
+        if setup is not None:
+            result = _decode_again(setup, q, k_cache, v_cache, cache_seqlens, return_lse)
+            if result is not None:
+                return result
     call = _validate.kvcache_args(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -198,7 +233,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         return call.result(return_lse)
     group = call.n_heads // call.n_kv_heads
     if group * call.n_q <= tiling.DECODE_MAX_ROWS:
-        _run_decode(call)
+        setup = _Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
+        if key is not None:
+            _plans.put(key, setup.frozen())
+        _decode(setup, call.q, call.k, call.v, call.n_keys, call.n_k, call.out_bhsd, call.lse,
+                call.sinks)
     else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
         if call.paged:
             call.k, call.v = _kvcache.gather_pages(call)
@@ -229,26 +268,128 @@ def merge_states(outs, lses):
     return _combine.merge(*_validate.merge_args(outs, lses))
 
 
-def _run_decode(call):
-    """Split-KV streaming decode, then the exact merge of the splits (and the sinks)."""
-    plan = tiling.decode_plan(call.n_k, call.batch * call.n_kv_heads, numba.get_num_threads(),
-                              call.head_dim, call.compute_dtype, call.num_splits)
-    part_out = np.empty((plan.n_splits, call.batch, call.n_heads, call.n_q, call.head_dim_v),
-                        dtype=call.compute_dtype)
-    part_lse = np.empty(part_out.shape[:-1], dtype=call.compute_dtype)
-    left, right = call.window
-    kernel = decode.specialize((call.q.dtype, call.compute_dtype))
-    kernel(call.q, call.k, call.v, call.block_table, call.page_rows, call.n_keys, plan.split_len,
-           plan.block_k, call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi,
+# The thread count that decides the key splits of `attention` calls taken by the decode kernel:
+# a constant, since their results must not depend on the thread count (8 splits the keys of a
+# single-head call over 4096 keys into 8, of one over 1024 into 2, as a KV-cache call on 8
+# threads would).
+_ATTENTION_SPLIT_THREADS = 8
+
+
+class _Decode:
+    """What the decode route of a call needs besides the call's arrays and lengths: everything
+    its shapes, dtypes and options decide. `_plans` keeps it (`frozen`) for the next call with
+    the same key (`_decode_key`)."""
+
+    def __init__(self, call, layout, n_max, plan_threads):
+        self.layout, self.dtype, self.compute_dtype = layout, call.dtype, call.compute_dtype
+        self.native = call.dtype == call.compute_dtype  # the kernel may write the output
+        self.batch, self.n_heads, self.n_kv_heads = call.batch, call.n_heads, call.n_kv_heads
+        self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
+        self.qk_scale, self.softcap, self.half_kind = call.qk_scale, call.softcap, call.half_kind
+        self.left, self.right = call.window
+        self.alibi, self.sinks = call.alibi, call.sinks
+        self.block_table, self.page_rows = call.block_table, call.page_rows
+        self.n_max = n_max  # keys of a full cache (of every batch entry)
+        self.num_splits = call.num_splits
+        self.plan_threads = plan_threads  # 0: numba's thread count at the call
+        if self.block_table is None:  # `attention`: one page of all keys per batch entry
+            self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
+            self.page_rows = n_max
+        self.full_keys = None
+
+    def frozen(self):
+        """This setup with its arrays read-only, and the lengths of a full cache, to share."""
+        self.full_keys = np.full(self.batch, self.n_max, dtype=np.int64)
+        for array in (self.alibi, self.sinks, self.block_table, self.full_keys):
+            array.flags.writeable = False
+        return self
+
+
+def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
+                num_splits, return_lse):
+    """The `_plans` key of a call with options of the common kinds, or None (the full path)."""
+    if not (causal.__class__ is bool and return_lse.__class__ is bool
+            and layout.__class__ is str and num_splits.__class__ is int
+            and (scale is None or scale.__class__ is float or scale.__class__ is int)
+            and (softcap.__class__ is float or softcap.__class__ is int)
+            and q.__class__ is np.ndarray and k.__class__ is np.ndarray
+            and v.__class__ is np.ndarray):
+        return None
+    if window is not None and not (window.__class__ is tuple and len(window) == 2
+                                   and window[0].__class__ is int
+                                   and window[1].__class__ is int):
+        return None
+    if cache_seqlens is None or cache_seqlens.__class__ in (int, np.ndarray):
+        lengths = None if cache_seqlens is None else cache_seqlens.__class__
+    else:
+        return None
+    return (kind, q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, causal, scale, window,
+            softcap, layout, num_splits, lengths)
+
+
+def _decode_again(setup, q, k, v, cache_seqlens, return_lse):
+    """A call whose key found `setup`: only the checks that can fail for the same key (values,
+    alignment), then the kernel. None when one fails: the full path then raises the error."""
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+        return None  # the full path copies them
+    if cache_seqlens is None:
+        n_keys, n_k = setup.full_keys, setup.n_max
+    elif cache_seqlens.__class__ is int:
+        if not 0 <= cache_seqlens <= setup.n_max:
+            return None
+        n_keys, n_k = np.full(setup.batch, cache_seqlens, dtype=np.int64), cache_seqlens
+    else:
+        if cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (setup.batch,):
+            return None
+        lengths = cache_seqlens.tolist()
+        n_k = max(lengths)
+        if min(lengths) < 0 or n_k > setup.n_max:
+            return None
+        n_keys = cache_seqlens.astype(np.int64)
+    if setup.layout == "bshd":
+        q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        out_user = np.empty((setup.batch, setup.n_q, setup.n_heads, setup.head_dim_v),
+                            dtype=setup.dtype)
+        out_bhsd = out_user.swapaxes(1, 2)
+    else:
+        out_user = out_bhsd = np.empty((setup.batch, setup.n_heads, setup.n_q,
+                                        setup.head_dim_v), dtype=setup.dtype)
+    if setup.half_kind != _validate.NATIVE:
+        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
+    lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
+    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks)
+    return (out_user, lse) if return_lse else out_user
+
+
+def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
+    """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
+    (and the sinks). `q`, `k`, `v` as the kernels read them."""
+    plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads,
+                              setup.plan_threads or numba.get_num_threads(), setup.head_dim,
+                              setup.compute_dtype, setup.num_splits)
+    direct = setup.native and not sinks.size  # the kernel or the merge writes the output
+    if plan.n_splits == 1 and direct:
+        part_out, part_lse = out_bhsd[None], lse[None]
+    else:
+        part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
+                             setup.head_dim_v), dtype=setup.compute_dtype)
+        part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
+    kernel = decode.specialize((q.dtype, setup.compute_dtype))
+    kernel(q, k, v, setup.block_table, setup.page_rows, n_keys, plan.split_len, plan.block_k,
+           setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
            part_out, part_lse)
     if plan.n_splits > 1:
-        out, lse = _combine.merge(part_out, part_lse)
+        out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
+        _combine.merge_into(part_out, part_lse, out, lse)
+    elif direct:
+        return
     else:
-        out, lse = part_out[0], part_lse[0]
-    if call.sinks.size:
-        out, lse = _combine.add_sinks(out, lse, call.sinks)
-    call.lse[...] = lse
-    call.out_bhsd[...] = out  # rounds to a half-precision output dtype here
+        out = part_out[0]
+        lse[...] = part_lse[0]
+    if sinks.size:
+        out, lse[...] = _combine.add_sinks(out, lse, sinks)
+    if out is not out_bhsd:
+        out_bhsd[...] = out  # rounds to a half-precision output dtype here
 
 
 # the gradients: `_backward` holds their argument handling and docstrings

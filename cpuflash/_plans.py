@@ -1,0 +1,60 @@
+"""What a call's shapes, dtypes and options decide, kept for the next call that has the same.
+
+A decoding step calls cpuflash once per layer (30 calls with the same shapes per token), and for
+a few hundred cached keys checking the arguments and choosing the plan from scratch costs more
+than the kernel's work. So once a call has passed every check, what those checks and choices
+derived from everything that stays the same from call to call (shapes, dtypes, the options and
+their types, so that ``True`` never stands in for ``1``) is stored under a key of exactly those
+things; the next call with the same key skips to the kernel. What can fail for the same shapes
+(the values of `cache_seqlens`, the alignment of the arrays) is checked on every call, and a call
+that does not fit a stored entry takes the full path, so errors are raised as they always were.
+
+Entries are never changed once stored and their arrays are read-only, so Python threads share
+them without a lock (a dict's get and set are atomic); the table is bounded, oldest entries
+leaving first. A child process forked after entries were stored inherits them, and they hold
+there too (the same shapes decide the same things).
+"""
+
+from . import tiling
+
+MAX_ENTRIES = 256
+_entries = {}
+_decode_plans = {}
+
+
+def get(key):
+    """The entry stored under `key`, or None."""
+    return _entries.get(key)
+
+
+def put(key, entry):
+    """Store `entry` under `key`, making room by dropping the oldest entries."""
+    _make_room(_entries)
+    _entries[key] = entry
+
+
+def clear():
+    """Forget every entry (tests compare a cached and an uncached call)."""
+    _entries.clear()
+    _decode_plans.clear()
+
+
+def decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits):
+    """`tiling.decode_plan`, remembered: keyed on its arguments and on the tiling functions it
+    runs (so a replaced `choose_tiles`, as tests do, gets plans of its own)."""
+    key = (n_keys, n_items, n_threads, head_dim, dtype, num_splits, tiling.decode_plan,
+           tiling.choose_tiles, tiling.MIN_SPLIT_KEYS, tiling.MAX_SPLITS)
+    plan = _decode_plans.get(key)
+    if plan is None:
+        plan = tiling.decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits)
+        _make_room(_decode_plans)
+        _decode_plans[key] = plan  # a frozen dataclass
+    return plan
+
+
+def _make_room(table):
+    while len(table) >= MAX_ENTRIES:
+        try:
+            del table[next(iter(table))]
+        except (KeyError, RuntimeError, StopIteration):  # another thread took it first
+            break

@@ -1,0 +1,278 @@
+"""The per-call plans (`cpuflash._plans`): a call with the shapes, dtypes and options of an
+earlier valid one skips to the kernel, and gives exactly what the full path gives; anything that
+differs, or a value that is an error, takes the full path (and its error)."""
+
+import threading
+
+import numba
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import _combine, _plans, _validate
+
+from accuracy import assert_close_to_reference
+from helpers import assert_same_bits, check_kvcache, fortran, low_precision_dtype, random_qkv
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    _plans.clear()
+    before = numba.get_num_threads()
+    yield
+    numba.set_num_threads(before)
+    _plans.clear()
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """How many calls went through the full argument checks."""
+    count = {"kvcache": 0, "attention": 0}
+    for name, attr in (("kvcache", "kvcache_args"), ("attention", "attention_args")):
+        full = getattr(_validate, attr)
+
+        def counted(*args, name=name, full=full, **kwargs):
+            count[name] += 1
+            return full(*args, **kwargs)
+        monkeypatch.setattr(_validate, attr, counted)
+    return count
+
+
+def uncached(call):
+    """What `call` gives through the full path (no stored plan)."""
+    _plans.clear()
+    return call()
+
+
+def decode_inputs(rng, batch=1, n_keys=64, dtype=np.float32):
+    return random_qkv(rng, (batch, 9, 1, 64), (batch, 3, n_keys, 64), dtype=dtype)
+
+
+def test_a_repeated_decode_call_skips_the_checks_and_gives_the_same_bits(rng, validations):
+    q, k, v = decode_inputs(rng, n_keys=1024)  # 2 key splits on 2 threads: the merge runs
+    first = uncached(lambda: cpuflash.attention_with_kvcache(q, k, v, return_lse=True))
+    assert validations["kvcache"] == 1
+    for _ in range(3):
+        assert_same_bits(cpuflash.attention_with_kvcache(q, k, v, return_lse=True), first)
+    assert validations["kvcache"] == 1  # the plan served the later calls
+    out, lse = first
+    check_kvcache(out, lse, q, k, v, [1024], causal=True)
+
+
+def varied_calls(rng):
+    """name -> call: decode calls that differ from the first in one keyed thing each."""
+    q, k, v = decode_inputs(rng, batch=2, n_keys=300)
+    q16, k16, v16 = (x.astype(np.float16) for x in (q, k, v))
+    lengths = np.array([300, 170], dtype=np.int32)
+    bshd = [np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v)]
+    calls = {
+        "plain": lambda: cpuflash.attention_with_kvcache(q, k, v, return_lse=True),
+        "float16": lambda: cpuflash.attention_with_kvcache(q16, k16, v16, return_lse=True),
+        "float64": lambda: cpuflash.attention_with_kvcache(
+            *(x.astype(np.float64) for x in (q, k, v)), return_lse=True),
+        "fewer keys": lambda: cpuflash.attention_with_kvcache(q, k[:, :, :299], v[:, :, :299],
+                                                              return_lse=True),
+        "fortran": lambda: cpuflash.attention_with_kvcache(fortran(q), fortran(k), fortran(v),
+                                                           return_lse=True),
+        "bshd": lambda: cpuflash.attention_with_kvcache(*bshd, layout="bshd", return_lse=True),
+        "not causal": lambda: cpuflash.attention_with_kvcache(q, k, v, causal=False,
+                                                              return_lse=True),
+        "window": lambda: cpuflash.attention_with_kvcache(q, k, v, window=(100, 0),
+                                                          return_lse=True),
+        "scale": lambda: cpuflash.attention_with_kvcache(q, k, v, scale=0.3, return_lse=True),
+        "softcap": lambda: cpuflash.attention_with_kvcache(q, k, v, softcap=2.0,
+                                                           return_lse=True),
+        "splits": lambda: cpuflash.attention_with_kvcache(q, k, v, num_splits=3,
+                                                          return_lse=True),
+        "lengths": lambda: cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                           return_lse=True),
+        "length int": lambda: cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=77,
+                                                              return_lse=True),
+        "attention": lambda: cpuflash.attention(q, k, v, causal=True, return_lse=True),
+        "attention window": lambda: cpuflash.attention(q, k, v, window=(5, 5),
+                                                       return_lse=True),
+        "attention bshd": lambda: cpuflash.attention(*bshd, layout="bshd", causal=True,
+                                                     return_lse=True),
+        "attention float16": lambda: cpuflash.attention(q16, k16, v16, return_lse=True),
+    }
+    return calls
+
+
+def test_a_plan_is_never_reused_for_a_call_that_differs(rng):
+    calls = varied_calls(rng)
+    expected = {}
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        expected[threads] = {name: uncached(call) for name, call in calls.items()}
+    _plans.clear()
+    order = list(calls) * 2
+    rng.shuffle(order)
+    for i, name in enumerate(order):  # every call, warm, among the others, on both counts
+        threads = 1 + i % 2
+        numba.set_num_threads(threads)
+        assert_same_bits(calls[name](), expected[threads][name], f"{name} threads={threads}")
+    # each got a plan of its own (so the cached path was taken), but for "fortran": strides
+    # decide nothing before the kernel, which reads them itself, so it shares "plain"'s
+    assert len(_plans._entries) == len(calls) - 1
+
+
+def test_a_changed_length_of_the_same_shapes_is_still_checked_and_used(rng):
+    q, k, v = decode_inputs(rng, batch=2, n_keys=200)
+    lengths = np.array([200, 50], dtype=np.int32)
+    cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)
+    shorter = np.array([30, 199], dtype=np.int64)
+    out, lse = cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=shorter, return_lse=True)
+    check_kvcache(out, lse, q, k, v, shorter, causal=True)
+    assert_same_bits((out, lse), uncached(lambda: cpuflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=shorter, return_lse=True)))
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(cache_seqlens=np.array([201, 3])), ValueError, r"`cache_seqlens` must lie in \[0, 200\]"),
+    (dict(cache_seqlens=np.array([-1, 3])), ValueError, r"`cache_seqlens` must lie in"),
+    (dict(cache_seqlens=201), ValueError, r"`cache_seqlens` must lie in \[0, 200\]"),
+    (dict(cache_seqlens=np.array([1.0, 3.0])), TypeError, r"`cache_seqlens` must be an integer"),
+    (dict(cache_seqlens=np.array([1, 2, 3])), ValueError, r"`cache_seqlens` must have shape"),
+    (dict(cache_seqlens=True), TypeError, r"`cache_seqlens` must be an array, got bool"),
+    (dict(scale=float("nan")), ValueError, r"`scale` must be finite"),
+    (dict(scale=True), TypeError, r"`scale` must be a real number"),
+    (dict(causal=1), TypeError, r"`causal` must be True or False"),
+    (dict(return_lse=0), TypeError, r"`return_lse` must be True or False"),
+    (dict(window=(True, 0)), ValueError, r"`window` must be a pair of ints"),
+    (dict(window=(-2, 0)), ValueError, r"`window` sides must be >= -1"),
+    (dict(softcap=-1.0), ValueError, r"`softcap` must be finite and >= 0"),
+    (dict(num_splits=-1), ValueError, r"`num_splits` must be >= 0"),
+    (dict(layout="BHSD"), ValueError, r"`layout` must be one of"),
+])
+def test_errors_are_raised_after_a_valid_call_with_the_same_shapes(rng, bad, exc, match):
+    q, k, v = decode_inputs(rng, batch=2, n_keys=200)
+    valid = dict(cache_seqlens=np.array([200, 3]), scale=1, causal=True, return_lse=False,
+                 window=(1, 0), softcap=0.0, num_splits=0, layout="bhsd")
+    for name, value in bad.items():  # the valid call has the same types where they are valid
+        if name == "cache_seqlens" and np.ndim(value) == 0 and value is not True:
+            valid[name] = 7
+    with pytest.raises(exc, match=match) as fresh:  # no plan stored
+        cpuflash.attention_with_kvcache(q, k, v, **dict(valid, **bad))
+    cpuflash.attention_with_kvcache(q, k, v, **valid)
+    cpuflash.attention_with_kvcache(q, k, v, **valid)  # served by the plan
+    for _ in range(2):
+        with pytest.raises(exc) as after_plan:
+            cpuflash.attention_with_kvcache(q, k, v, **dict(valid, **bad))
+        assert str(after_plan.value) == str(fresh.value)
+
+
+def test_attention_errors_after_a_valid_call(rng):
+    q, k, v = decode_inputs(rng)
+    cpuflash.attention(q, k, v, causal=True)
+    cpuflash.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match=r"`causal` must be True or False"):
+        cpuflash.attention(q, k, v, causal=np.float32(1))
+    with pytest.raises(ValueError, match=r"`scale` must be finite"):
+        cpuflash.attention(q, k, v, causal=True, scale=float("inf"))
+    with pytest.raises(TypeError, match=r"must share one dtype"):
+        cpuflash.attention(q, k, v.astype(np.float64), causal=True)
+
+
+def test_unaligned_and_strided_inputs_after_a_plan(rng):
+    """The same shapes with other strides or unaligned memory give the full path's bits."""
+    q, k, v = decode_inputs(rng, n_keys=100)
+    cpuflash.attention_with_kvcache(q, k, v)
+    raw = np.zeros(k.nbytes + 1, dtype=np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(k.shape)
+    unaligned[...] = k
+    assert not unaligned.flags.aligned
+    strided = np.zeros((1, 3, 200, 64), dtype=np.float32)[:, :, ::2]
+    strided[...] = v
+    for kk, vv in [(unaligned, v), (k, strided), (k[..., ::-1, :][..., ::-1, :], v)]:
+        got = cpuflash.attention_with_kvcache(q, kk, vv, return_lse=True)
+        assert_same_bits(got, uncached(lambda: cpuflash.attention_with_kvcache(
+            q, kk, vv, return_lse=True)))
+        assert_same_bits(got[0], cpuflash.attention_with_kvcache(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n_keys", [1, 64, 1024])
+def test_attention_with_few_query_rows_is_exact_and_independent_of_threads(rng, dtype, n_keys):
+    dtype = np.float32 if dtype == "float32" else low_precision_dtype(dtype)
+    q, k, v = decode_inputs(rng, batch=2, n_keys=n_keys, dtype=dtype)
+    results = []
+    for threads in (1, 2, 1):
+        numba.set_num_threads(threads)
+        results.append(cpuflash.attention(q, k, v, causal=True, return_lse=True))
+    for result in results[1:]:
+        assert_same_bits(result, results[0])
+    out, lse = results[0]
+    assert out.dtype == dtype and lse.dtype == np.float32
+    plain = None if dtype == np.float32 else dtype
+    for b in range(2):
+        assert_close_to_reference(out[b], q[b], k[b], v[b], lse=lse[b], causal=True,
+                                  plain_dtype=plain)
+
+
+def test_calls_from_several_python_threads_share_the_plans(rng):
+    q, k, v = decode_inputs(rng, batch=4, n_keys=700)
+    lengths = [np.array([700, 3, 500, 699 - i], dtype=np.int32) for i in range(4)]
+    expected = [cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=s, return_lse=True)
+                for s in lengths]
+    _plans.clear()
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                results[i] = cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths[i],
+                                                             return_lse=True)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(4):
+        assert_same_bits(results[i], expected[i], f"thread {i}")
+
+
+def test_torch_tensors_take_the_plan_and_grad_is_still_refused(rng, validations):
+    torch = pytest.importorskip("torch", reason="torch tensors are optional inputs")
+    q, k, v = decode_inputs(rng, n_keys=80)
+    expected = cpuflash.attention_with_kvcache(q, k, v)
+    tensors = [torch.from_numpy(x) for x in (q, k, v)]
+    for _ in range(2):
+        assert_same_bits(cpuflash.attention_with_kvcache(*tensors), expected)
+    assert validations["kvcache"] == 1
+    with pytest.raises(TypeError, match=r"`q` is a torch tensor that requires grad"):
+        cpuflash.attention_with_kvcache(tensors[0].clone().requires_grad_(), *tensors[1:])
+
+
+def test_stored_plans_are_read_only_and_bounded(rng):
+    q, k, v = decode_inputs(rng)
+    cpuflash.attention_with_kvcache(q, k, v)
+    (setup,) = _plans._entries.values()
+    for array in (setup.alibi, setup.sinks, setup.block_table, setup.full_keys):
+        assert not array.flags.writeable
+    for i in range(_plans.MAX_ENTRIES + 10):
+        _plans.put(("test", i), None)
+    assert len(_plans._entries) <= _plans.MAX_ENTRIES
+    assert ("test", _plans.MAX_ENTRIES + 9) in _plans._entries
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_merge_agrees_with_merge_states(rng, dtype):
+    outs = rng.standard_normal((3, 2, 4, 5, 16)).astype(dtype)
+    lses = rng.standard_normal((3, 2, 4, 5)).astype(dtype) * 20
+    lses[:, 0, 0, 0] = -np.inf  # no part saw a key
+    lses[1, 0, 0, 1] = -np.inf  # one part saw none, its output is ignored...
+    outs[1, 0, 0, 1] = np.nan  # ...even where it is NaN
+    lses[0, 0, 0, 2] = np.nan  # NaN propagates
+    outs[2, 0, 0, 3, 0] = np.inf  # inf in one part's output
+    out, lse = np.empty_like(outs[0]), np.empty_like(lses[0])
+    _combine.merge_into(outs, lses, out, lse)
+    want_out, want_lse = _combine.merge(outs, lses)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5 if dtype == np.float32 else 1e-12)
+    assert np.all(out[0, 0, 0] == 0) and lse[0, 0, 0] == -np.inf
+    assert np.isnan(lse[0, 0, 2]) and np.isnan(out[0, 0, 2]).all()
+    assert np.isfinite(out[0, 0, 1]).all()
