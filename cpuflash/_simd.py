@@ -37,6 +37,8 @@ __all__ = [
     "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
     "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax",
     "vfill_outside", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
+    "BF16_DOT", "vload_pairs", "vbroadcast_pair", "vdot_pairs", "vstore_pairs", "vload_rows_bits",
+    "vstore_bits", "vstore_interleaved",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -79,6 +81,50 @@ def _target_has_avx512f(cpu_name, features):
 
 LANES_F32 = 16 if _target_has_avx512f(config.CPU_NAME, config.CPU_FEATURES) else 8
 LANES_F64 = LANES_F32 // 2
+
+# fptrunc to bfloat is one vcvtneps2bf16 where the target has AVX512-BF16 and integer code
+# elsewhere: LLVM compiles it for any CPU, unlike the AVX512-BF16 intrinsics, which abort the
+# process (not a Python exception) on a target without the feature.
+_BF16_PROBE_IR = """
+define <16 x i16> @probe(<16 x float> %a) {
+  %b = fptrunc <16 x float> %a to <16 x bfloat>
+  %c = bitcast <16 x bfloat> %b to <16 x i16>
+  ret <16 x i16> %c
+}
+"""
+
+
+def _cpu_model_has_avx512bf16(cpu_name):
+    """Whether LLVM's model of `cpu_name` (no extra features) has AVX512-BF16."""
+    try:
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        machine = llvm.Target.from_default_triple().create_target_machine(cpu=cpu_name)
+        return "vcvtneps2bf16" in machine.emit_assembly(llvm.parse_assembly(_BF16_PROBE_IR))
+    except Exception:  # an unknown CPU or a target without an assembly printer
+        return False
+
+
+def _target_has_avx512bf16(cpu_name, features):
+    """Whether Numba, given `NUMBA_CPU_NAME` and `NUMBA_CPU_FEATURES`, compiles for AVX512-BF16
+    with 512-bit vectors: the rule of `_target_has_avx512f` (the host's features for the host,
+    else an explicit feature string, else LLVM's model of the named CPU), and AVX-512F too."""
+    if not _target_has_avx512f(cpu_name, features):
+        return False
+    if cpu_name in (None, "host") and features is None:
+        return "+avx512bf16" in codegen.get_host_cpu_features().split(",")
+    flags = features.split(",") if features else []
+    if "+avx512bf16" in flags or "-avx512bf16" in flags:
+        return "+avx512bf16" in flags
+    if cpu_name in (None, "host"):
+        cpu_name = llvm.get_host_cpu_name()
+    return _cpu_model_has_avx512bf16(cpu_name)
+
+
+# Whether bfloat16 dot products run on `vdpbf16ps` (decided before anything is compiled: see
+# `_BF16_PROBE_IR`). Where it is False, `vdot_pairs` and `vstore_pairs` compile to plain float32
+# code with the same results on normal numbers, and the kernels widen bfloat16 instead.
+BF16_DOT = _target_has_avx512bf16(config.CPU_NAME, config.CPU_FEATURES)
 
 
 def lanes_for(dtype):
@@ -739,3 +785,202 @@ def prefetch(typingctx, arr, i):
         return context.get_dummy_value()
 
     return types.void(arr, i), codegen
+
+
+# -- bfloat16 pairs (AVX512-BF16)
+#
+# A pair vector holds 2 * LANES_F32 bfloat16 numbers, as LANES_F32 32-bit lanes of two each: lane
+# j is the pair (element 2j, element 2j + 1) of the uint16 array it was loaded from, element 2j in
+# the low half (x86 is little-endian). `vdot_pairs` multiplies two such vectors pair by pair and
+# adds both products to a float32 lane: two multiply-adds per lane, in one `vdpbf16ps`.
+
+
+class PairVec(types.Type):
+    """Numba type of a vector of `lanes` bfloat16 pairs (see above)."""
+
+    def __init__(self, lanes):
+        self.lanes = lanes
+        super().__init__(name="bf16pairs%d" % lanes)
+
+
+PAIRS = PairVec(LANES_F32)
+
+
+@register_model(PairVec)
+class _PairVecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, ir.VectorType(_I32, fe_type.lanes))
+
+
+def _bits_array(arr, name, writable=False):
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint16):
+        raise errors.TypingError("`%s` must be a uint16 array (bfloat16 bits), got %s"
+                                 % (name, arr))
+    if writable and not arr.mutable:
+        raise errors.TypingError("`%s` is read-only" % name)
+
+
+def _declare(builder, name, ret, args):
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(ret, args), name)
+    return fn
+
+
+@intrinsic
+def vload_pairs(typingctx, arr, i):
+    """The pair vector of ``arr[i : i + 2 * lanes]`` (uint16 bfloat16 bits, unaligned)."""
+    _bits_array(arr, "arr")
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, ir.VectorType(_I32, PAIRS.lanes))
+        return builder.load(ptr, align=2)
+
+    return PAIRS(arr, i), codegen
+
+
+@intrinsic
+def vbroadcast_pair(typingctx, arr, i):
+    """The pair ``(arr[i], arr[i + 1])`` in every lane (one 32-bit broadcast load)."""
+    _bits_array(arr, "arr")
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, _I32)
+        return _splat(builder, builder.load(ptr, align=2), ir.VectorType(_I32, PAIRS.lanes))
+
+    return PAIRS(arr, i), codegen
+
+
+def _pair_halves(builder, pairs):
+    """The float32 vectors of the even and the odd elements of a pair vector (exact)."""
+    f32 = ir.VectorType(ir.FloatType(), pairs.type.count)
+    even = builder.shl(pairs, _const(pairs.type, 16))
+    odd = builder.and_(pairs, _const(pairs.type, -65536))
+    return builder.bitcast(even, f32), builder.bitcast(odd, f32)
+
+
+@intrinsic
+def vdot_pairs(typingctx, acc, a, b):
+    """``acc + a_odd * b_odd + a_even * b_even`` lane by lane, for pair vectors `a` and `b` and a
+    float32 vector `acc`: `vdpbf16ps` where `BF16_DOT`. Each product is exact in float32, each
+    addition rounds to nearest even, the odd elements' product first (Intel's definition). The
+    instruction treats subnormal inputs and results as 0; the float32 code elsewhere does not
+    (bfloat16 subnormals are below 1.2e-38)."""
+    vec = _VEC[types.float32]
+    if acc != vec or a != PAIRS or b != PAIRS:
+        raise errors.TypingError("expected a %s and two %s, got %s, %s, %s"
+                                 % (vec, PAIRS, acc, a, b))
+
+    def codegen(context, builder, sig, args):
+        acc_v, a_v, b_v = args
+        if BF16_DOT:
+            fn = _declare(builder, "llvm.x86.avx512bf16.dpbf16ps.512", acc_v.type,
+                          [acc_v.type, a_v.type, b_v.type])  # (LLVM upgrades <16 x i32> to bfloat)
+            return builder.call(fn, [acc_v, a_v, b_v])
+        a_even, a_odd = _pair_halves(builder, a_v)
+        b_even, b_odd = _pair_halves(builder, b_v)
+        return _call(builder, "fma", a_even, b_even, _call(builder, "fma", a_odd, b_odd, acc_v))
+
+    return vec(acc, a, b), codegen
+
+
+@intrinsic
+def vstore_pairs(typingctx, arr, i, lo, hi):
+    """Store float32 vectors `lo` then `hi` into ``arr[i : i + 2 * lanes]`` as bfloat16 bits,
+    rounded to nearest even (`vcvtne2ps2bf16` where `BF16_DOT`, which flushes subnormals to 0;
+    `vstore_bf16`'s rounding elsewhere)."""
+    _bits_array(arr, "arr", writable=True)
+    _check_index(i)
+    vec = _VEC[types.float32]
+    if lo != vec or hi != vec:
+        raise errors.TypingError("`lo` and `hi` must be %s, got %s, %s" % (vec, lo, hi))
+
+    def codegen(context, builder, sig, args):
+        n = vec.lanes
+        bits_type = ir.VectorType(ir.IntType(16), 2 * n)
+        if BF16_DOT:
+            fn = _declare(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512", bits_type,
+                          [args[2].type, args[3].type])
+            bits = builder.call(fn, [args[3], args[2]])  # lanes 0 .. n - 1 from the second
+        else:
+            bits = builder.shuffle_vector(_narrow_bf16(builder, args[2], n),
+                                          _narrow_bf16(builder, args[3], n),
+                                          _lane_mask(range(2 * n)))
+        ptr = _element_ptr(context, builder, sig, args, bits_type)
+        builder.store(bits, ptr, align=2)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, lo, hi), codegen
+
+
+@intrinsic
+def vload_rows_bits(typingctx, arr, i, stride):
+    """``lanes`` rows of ``2 * lanes`` uint16 each, from ``arr[i + j * stride]``, as float32
+    vectors carrying the bits (lane k of row j holds elements 2k, 2k + 1): for `vtranspose`,
+    which moves 32-bit lanes without looking at them, and `vstore_bits`."""
+    _bits_array(arr, "arr")
+    _check_index(i)
+    _check_index(stride, "stride")
+    vec = _VEC[types.float32]
+    block = types.UniTuple(vec, vec.lanes)
+
+    def codegen(context, builder, sig, args):
+        memory = _vec_ll(vec).as_pointer()
+        start = _element_ptr(context, builder, sig, args)
+        step = context.cast(builder, args[2], sig.args[2], types.intp)
+        result = ir.Constant(context.get_value_type(block), ir.Undefined)
+        for j in range(vec.lanes):
+            ptr = builder.gep(start, [builder.mul(step, ir.Constant(step.type, j))],
+                              inbounds=True)
+            result = builder.insert_value(result, builder.load(builder.bitcast(ptr, memory),
+                                                               align=2), j)
+        return result
+
+    return block(arr, i, stride), codegen
+
+
+@intrinsic
+def vstore_bits(typingctx, arr, i, vec):
+    """Store the bits of a float32 vector (as `vload_rows_bits` made it) into
+    ``arr[i : i + 2 * lanes]`` of a uint16 array."""
+    _bits_array(arr, "arr", writable=True)
+    _check_index(i)
+    if vec != _VEC[types.float32]:
+        raise errors.TypingError("`vec` must be a %s, got %s" % (_VEC[types.float32], vec))
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, _vec_ll(vec))
+        builder.store(args[2], ptr, align=2)
+        return context.get_dummy_value()
+
+    return types.none(arr, i, vec), codegen
+
+
+@intrinsic
+def vstore_interleaved(typingctx, dst, o, src, a, b):
+    """``dst[o + 2j] = src[a + j]`` and ``dst[o + 2j + 1] = src[b + j]`` for j < lanes: two
+    rows of uint16 into one row of pairs (the values of two keys, for `vdot_pairs`)."""
+    _bits_array(dst, "dst", writable=True)
+    _bits_array(src, "src")
+    for index, name in ((o, "o"), (a, "a"), (b, "b")):
+        _check_index(index, name)
+    n = LANES_F32
+
+    def codegen(context, builder, sig, args):
+        half = ir.VectorType(ir.IntType(16), n)
+        src_ty, src_data = sig.args[2], args[2]
+        data = context.make_array(src_ty)(context, builder, value=src_data).data
+        rows = []
+        for k in (3, 4):
+            ptr = builder.gep(data, [context.cast(builder, args[k], sig.args[k], types.intp)],
+                              inbounds=True)
+            rows.append(builder.load(builder.bitcast(ptr, half.as_pointer()), align=2))
+        mixed = builder.shuffle_vector(rows[0], rows[1], _lane_mask(
+            [k for j in range(n) for k in (j, n + j)]))
+        ptr = _element_ptr(context, builder, sig, args, mixed.type)
+        builder.store(mixed, ptr, align=2)
+        return context.get_dummy_value()
+
+    return types.none(dst, o, src, a, b), codegen

@@ -72,12 +72,14 @@ def score_rounding_spread(q, k, v, out, lse, eps, **kwargs):
     return eps * np.sqrt(np.maximum(spread, 0.0))
 
 
-def assert_close_to_reference(got, q, k, v, *, lse=None, plain_dtype=None, **kwargs):
+def assert_close_to_reference(got, q, k, v, *, lse=None, plain_dtype=None, plain=None,
+                              **kwargs):
     """flash-attn's rule: error vs the oracle <= 2x the error of a plain implementation in the
     same precision, plus a floor. Also checks the LSE when given.
 
     The oracle is the float64 reference (extended precision when the inputs are float64); the
-    plain implementation is the same reference computed in the inputs' precision.
+    plain implementation is the same reference computed in `plain_dtype` (default: the
+    kernels' compute precision), or for the output, when given, ``plain(q, k, v, **kwargs)``.
 
     The floor, per output element ``o_ic``, has two parts:
 
@@ -105,10 +107,13 @@ def assert_close_to_reference(got, q, k, v, *, lse=None, plain_dtype=None, **kwa
     # the oracle must be more precise than the plain implementation: x87 extended for float64
     oracle = np.longdouble if plain_dtype == np.float64 else np.float64
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, dtype=oracle, **kwargs)
-    plain, plain_lse = attention_reference(q, k, v, return_lse=True, dtype=plain_dtype, **kwargs)
+    plain_out, plain_lse = attention_reference(q, k, v, return_lse=True, dtype=plain_dtype,
+                                               **kwargs)
+    if plain is not None:  # another plain implementation of the output (e.g. bf16_dot_reference)
+        plain_out = plain(q, k, v, **kwargs)
     assert got.shape == ref.shape
     errors = np.abs(got.astype(oracle) - ref)
-    plain_err = np.abs(plain.astype(oracle) - ref).max(initial=0)
+    plain_err = np.abs(plain_out.astype(oracle) - ref).max(initial=0)
     if errors.size:
         if kwargs.get("layout") == "bshd":  # the spread is computed on (B, H, N, D) arrays
             heads_first = [np.swapaxes(x, 1, 2) for x in (q, k, v, ref)]
@@ -144,3 +149,25 @@ def assert_within_rule(errors, plain_err, floor, what):
         f"{what}: max error {errors.max():.3g} vs plain {plain_err:.3g}; at {worst} the error "
         f"{errors[worst]:.3g} exceeds 2 x plain + floor = {2 * plain_err:.3g} + "
         f"{float(floor[worst]):.3g}")
+
+
+def bf16_dot_reference(q, k, v, **kwargs):
+    """A plain bfloat16 implementation as the AVX512-BF16 kernels (and flash-attn on GPUs)
+    compute: the scores and the softmax in float32 (products of bfloat16 numbers are exact in
+    float32), P rounded to bfloat16, ``P V`` summed in float32, the output rounded to the
+    inputs' dtype. For `assert_close_to_reference`'s `plain`; the keyword arguments are the
+    reference's."""
+    import ml_dtypes
+
+    layout = kwargs.pop("layout", "bhsd")
+    if layout == "bshd":  # the reference's (B, H, N, D) arrays, and back
+        q, k, v = (np.swapaxes(x, -2, -3) for x in (q, k, v))
+    n_k = k.shape[-2]
+    identity = np.broadcast_to(np.eye(n_k, dtype=np.float32), k.shape[:-1] + (n_k,))
+    p = attention_reference(q, k, identity, dtype=np.float32, **kwargs)
+    p = p.astype(ml_dtypes.bfloat16).astype(np.float32)
+    v = np.asarray(v, np.float32)
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # GQA / MQA: query head h reads h // group
+        v = np.repeat(v, q.shape[-3] // k.shape[-3], axis=-3)
+    out = np.matmul(p, v).astype(q.dtype)
+    return np.swapaxes(out, -2, -3) if layout == "bshd" else out

@@ -170,6 +170,24 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
                     _qk_micro1(q_tile, r, k_panels, p, scores, mult)
 
 
+def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+    """`qk_tile`, or for tiles of bfloat16 pairs (uint16: `_pairs`) `_pairs.qk_tile_pairs`."""
+
+
+@overload(any_qk_tile, jit_options=HELPER_OPTIONS)
+def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+    if k_panels.dtype == types.uint16:
+        from ._pairs import qk_tile_pairs
+
+        def pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+            qk_tile_pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+        return pairs
+
+    def floats(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+        qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+    return floats
+
+
 @jit
 def _sees(panel, w, r, n_rows, lo_off, hi_off):
     """Whether some row of r .. r + n_rows sees a column of `panel` (see `qk_tile`)."""
@@ -691,7 +709,7 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
     qk_scale, softcap, alibi, bias, bias_map, mask, mask_map = mods
     # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
     s_mult = qk_scale / softcap if softcap > 0 else qk_scale
-    qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
+    any_qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
     # -- modifiers, in the order of the score pipeline
     if softcap > 0:
         softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)

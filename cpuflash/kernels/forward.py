@@ -22,7 +22,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array
-from . import _steps
+from . import _pairs, _steps
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
@@ -43,6 +43,10 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
         row_max = np.empty(block_q, dtype=cdtype)
         row_sum = np.empty(block_q, dtype=cdtype)
         alpha = np.empty(block_q, dtype=cdtype)
+        # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
+        q_pairs, k_pairs, v_pairs, p_pairs = _pairs.pair_buffers(block_q, block_k, d, dv, q, lse,
+                                                                 half_kind)
+        pairs = q_pairs.shape[0] > 0
 
         for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
             (seq, h, q0, batch_q, q_start, n_q,
@@ -59,7 +63,10 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
             # multiple of key_align, which holds each row's whole band.
             k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
 
-            _steps.pack_rows(q, batch_q, h, q_start + q0, rows, q_tile, half_kind)
+            if pairs:
+                _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+            else:
+                _steps.pack_rows(q, batch_q, h, q_start + q0, rows, q_tile, half_kind)
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
@@ -75,7 +82,11 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 w = k_panels.shape[2]
                 first = max(0, lo_off) // w * w
                 end = min(cols, rows + hi_off)
-                if end > first:
+                if end > first and pairs:
+                    _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
+                                                end - first, k_pairs[first // w:],
+                                                v_pairs[first // 2:])
+                elif end > first:
                     _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
                                            k_panels[first // w:], half_kind)
                     _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
@@ -84,19 +95,31 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 # -- S = scale * Q K^T and the score modifiers, in the order of the score
                 # pipeline, on each row's band; -inf where a key is hidden (element masks only
                 # in blocks that cross a band edge)
-                _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols,
-                                  (seq, h, q0, kb, diag0), (inside, lo_off, hi_off, left, right),
-                                  modifiers)
+                at = (seq, h, q0, kb, diag0)
+                band = (inside, lo_off, hi_off, left, right)
+                if pairs:
+                    _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
+                                      modifiers)
+                else:
+                    _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
+                                      modifiers)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
 
                 # -- acc = alpha * acc + P V; where some row cannot see every key and a value
                 # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
-                if ((inside and not has_mask) or end <= first
-                        or _steps.finite_rows(v_tile, first, end)):
+                simple = (inside and not has_mask) or end <= first
+                if pairs and (simple or _pairs.finite_pairs(v_pairs, first // 2,
+                                                            (end + 1) // 2, scores)):
+                    _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
+                                         lo_off, hi_off)
+                elif not pairs and (simple or _steps.finite_rows(v_tile, first, end)):
                     _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off)
                 else:
+                    if pairs:  # rare (an inf or NaN value): the exact path on widened values
+                        _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                                         v_tile[first:], half_kind)
                     _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off,
                                          mask, (mask_map[seq], h, q0, kb))
 

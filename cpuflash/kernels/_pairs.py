@@ -1,0 +1,435 @@
+"""The forward's tile steps for bfloat16 inputs on AVX512-BF16: ``Q K^T`` and ``P V`` as
+bfloat16 dot products with float32 accumulation (`_simd.vdot_pairs`, one `vdpbf16ps` doing two
+multiply-adds per float32 lane), the softmax in float32 between them, and P rounded to bfloat16
+before ``P V`` (as flash-attn does on GPUs).
+
+`vdpbf16ps` multiplies pairs of neighbours along the sum: the broadcast operand is one 32-bit
+pair of a row (a query row, a row of P), row-major as it is; the vector operand has its pairs
+interleaved. So the tiles are packed as uint16 bfloat16 bits (no widening), and ``D`` (for Q
+K^T) or the keys (for P V) are zero-padded to a whole number of pairs:
+
+* ``q_pairs (block_q, 2 * Dp)``: the tile's queries, ``Dp = ceil(D / 2)`` pairs per row;
+* ``k_pairs (panels, Dp, 2 * W)``: ``k_pairs[c // W, x, 2 * (c % W) + t] = k[c, 2 * x + t]``,
+  the key panels of `_steps` with each lane holding a pair of dims;
+* ``v_pairs (keys / 2, 2 * Dvp)``: ``v_pairs[c // 2, 2 * x + c % 2] = v[c, x]``;
+* ``p_pairs (block_q, keys)``: P rounded to bfloat16, laid out as the scores.
+
+The float32 tiles of `_steps` hold the scores and the accumulator as before, so the score
+modifiers, the softmax and the last step are shared. Each step here is a no-op for buffers that
+are not uint16: the kernels are compiled for every dtype with these calls in a branch that only
+bfloat16 on a CPU with AVX512-BF16 takes (`pair_buffers` gives the other dtypes empty float
+buffers, so nothing new is compiled for them).
+"""
+
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from .. import _simd
+from .._jit import HELPER_OPTIONS, jit
+from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_pairs, \
+    vload_rows_bits, vstore_bits, vstore_interleaved, vstore_pairs, vsub, vtranspose, vzeros
+from ._convert import BFLOAT16, row_offset, vector_rows
+from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
+
+PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
+
+
+def _uses_pairs(buffer):
+    return isinstance(buffer, types.Array) and buffer.dtype == types.uint16
+
+
+def pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
+    """``(q_pairs, k_pairs, v_pairs, p_pairs)`` of one thread: uint16 and zeroed for bfloat16
+    inputs where `_simd.BF16_DOT`; else empty, in `like`'s dtype (the kernel then widens)."""
+
+
+@overload(pair_buffers, jit_options=HELPER_OPTIONS)
+def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
+    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+        def empty(block_q, block_k, d, dv, q, like, half_kind):
+            return (np.zeros((0, 0), like.dtype), np.zeros((0, 0, 0), like.dtype),
+                    np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
+        return empty
+    width = 2 * _simd.LANES_F32
+
+    def pairs(block_q, block_k, d, dv, q, like, half_kind):
+        if half_kind != BFLOAT16:
+            block_q = block_k = d = dv = 0
+        keys, dvp, dp = round_up(block_k, width), round_up(dv, width), (d + 1) // 2
+        return (np.zeros((block_q, 2 * dp), np.uint16),
+                np.zeros((keys // width, dp, 2 * width), np.uint16),
+                np.zeros((keys // 2, 2 * dvp), np.uint16), np.zeros((block_q, keys), np.uint16))
+    return pairs
+
+
+def pack_query_pairs(q, b, h, start, rows, q_pairs):
+    """q_pairs[r, :D] = the bits of q[b, h, start + r, :] (the pad of an odd D stays 0)."""
+
+
+@overload(pack_query_pairs, jit_options=HELPER_OPTIONS)
+def _pack_query_pairs(q, b, h, start, rows, q_pairs):
+    if not _uses_pairs(q_pairs):
+        return lambda q, b, h, start, rows, q_pairs: None
+
+    def pack(q, b, h, start, rows, q_pairs):
+        for r in range(rows):
+            for x in range(q.shape[3]):
+                q_pairs[r, x] = q[b, h, start + r, x]
+    return pack
+
+
+def pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
+    """Key and value rows start .. start + cols into `k_pairs` and `v_pairs` (their first
+    panel and pair: the caller slices them), with the lanes past `cols` of the last panel and
+    the odd key of the last value pair 0."""
+
+
+@overload(pack_key_value_pairs, jit_options=HELPER_OPTIONS)
+def _pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
+    if not _uses_pairs(k_pairs):
+        return lambda k, v, b, h, start, cols, k_pairs, v_pairs: None
+
+    def pack(k, v, b, h, start, cols, k_pairs, v_pairs):
+        _pack_keys(k, b, h, start, cols, k_pairs)
+        _pack_values(v, b, h, start, cols, v_pairs)
+    return pack
+
+
+@jit
+def _pack_keys(k, b, h, start, cols, k_pairs):
+    """K^T in panels of pairs: a transpose of 32-bit pairs, `lanes` keys x `lanes` pairs at a
+    time in registers where the rows are whole vectors of pairs, element by element else."""
+    w2, dp, d = k_pairs.shape[2], k_pairs.shape[1], k.shape[3]
+    w, n = w2 // 2, _simd.LANES_F32
+    c = 0
+    if vector_rows(k, 2 * n):
+        base, stride = row_offset(k, b, h, start), k.strides[2] // k.itemsize
+        while c + n <= cols:
+            out = c // w * dp * w2 + c % w * 2  # k_pairs[c // w, 0, 2 * (c % w)]
+            for x in range(0, dp, n):
+                block = vtranspose(vload_rows_bits(k, base + c * stride + 2 * x, stride))
+                for j in range(n):  # pair x + j of keys c .. c + n
+                    vstore_bits(k_pairs, out + (x + j) * w2, block[j])
+            c += n
+    for c in range(c, cols):
+        panel, lane = c // w, 2 * (c % w)
+        for x in range(d):
+            k_pairs[panel, x // 2, lane + x % 2] = k[b, h, start + c, x]
+    last = (cols - 1) // w
+    for lane in range(cols - last * w, w):  # zero the tail of a partial last panel
+        for x in range(dp):
+            k_pairs[last, x, 2 * lane] = 0
+            k_pairs[last, x, 2 * lane + 1] = 0
+
+
+@jit
+def _pack_values(v, b, h, start, cols, v_pairs):
+    """Value rows into pairs of rows: two rows interleaved at a time where the rows are whole
+    vectors, element by element else."""
+    dv, n = v.shape[3], _simd.LANES_F32
+    vw = v_pairs.shape[1]
+    c = 0
+    if vector_rows(v, n):
+        base, stride = row_offset(v, b, h, start), v.strides[2] // v.itemsize
+        while c + 2 <= cols:
+            row = base + c * stride
+            for x in range(0, dv, n):
+                vstore_interleaved(v_pairs, c // 2 * vw + 2 * x, v, row + x, row + stride + x)
+            c += 2
+    for c in range(c, cols):
+        for x in range(dv):
+            v_pairs[c // 2, 2 * x + c % 2] = v[b, h, start + c, x]
+    if cols % 2:  # the pair's second key is past the block
+        for x in range(dv):
+            v_pairs[cols // 2, 2 * x + 1] = 0
+
+
+def finite_pairs(v_pairs, first, end, like):
+    """Whether value pairs first .. end - 1 hold only finite numbers: x - x is 0 for those and
+    NaN for inf and NaN (True for buffers that are not uint16; `like` is a float32 array)."""
+
+
+@overload(finite_pairs, jit_options=HELPER_OPTIONS)
+def _finite_pairs(v_pairs, first, end, like):
+    if not _uses_pairs(v_pairs):
+        return lambda v_pairs, first, end, like: True
+
+    def finite(v_pairs, first, end, like):
+        total = vzeros(like)
+        for o in range(first * v_pairs.shape[1], end * v_pairs.shape[1], _simd.LANES_F32):
+            x = vload_bf16(v_pairs, o)
+            total = vadd(total, vsub(x, x))
+        return vhsum(total) == 0
+    return finite
+
+
+# -- Q K^T
+
+@jit
+def qk_tile_pairs(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
+    """`_steps.qk_tile` on pairs: scores[:rows, :cols] = mult * (Q @ K^T), the same panels and
+    row groups, two panels at a time (the CPUs with AVX512-BF16 have 32 vector registers)."""
+    w = k_pairs.shape[2] // 2
+    panels = (cols + w - 1) // w
+    full = rows - rows % ROWS
+    for panel in range(0, panels, 2):
+        pair = panel + 1 < panels
+        for r in range(0, full, ROWS):
+            first = _sees(panel, w, r, ROWS, lo_off, hi_off)
+            second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
+            if first and second:
+                _qk_pairs6w(q_pairs, r, k_pairs, panel, scores, mult)
+            elif first or second:
+                _qk_pairs6(q_pairs, r, k_pairs, panel if first else panel + 1, scores, mult)
+        for r in range(full, rows):
+            for p in range(panel, panel + 2 if pair else panel + 1):
+                if _sees(p, w, r, 1, lo_off, hi_off):
+                    _qk_pairs1(q_pairs, r, k_pairs, p, scores, mult)
+
+
+@jit
+def _qk_pairs6w(q_pairs, r, k_pairs, panel, scores, mult):
+    """Six rows x two panels (four vectors) of scores in 24 registers, `PAIR_CHUNK` pairs of
+    the sum at a time (the two-level sum of `_steps._qk_micro6`)."""
+    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
+    n = _simd.LANES_F32
+    sw = scores.shape[1]
+    out = r * sw + panel * (w2 // 2)
+    q = r * qw
+    kp, kq = panel * dp * w2, (panel + 1) * dp * w2
+    for x0 in range(0, dp, PAIR_CHUNK):
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(scores)
+        d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(scores)
+        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
+            k0 = vload_pairs(k_pairs, kp + x * w2)
+            k1 = vload_pairs(k_pairs, kp + x * w2 + 2 * n)
+            k2 = vload_pairs(k_pairs, kq + x * w2)
+            k3 = vload_pairs(k_pairs, kq + x * w2 + 2 * n)
+            s = vbroadcast_pair(q_pairs, q + 2 * x)
+            a0, a1 = vdot_pairs(a0, s, k0), vdot_pairs(a1, s, k1)
+            a2, a3 = vdot_pairs(a2, s, k2), vdot_pairs(a3, s, k3)
+            s = vbroadcast_pair(q_pairs, q + qw + 2 * x)
+            b0, b1 = vdot_pairs(b0, s, k0), vdot_pairs(b1, s, k1)
+            b2, b3 = vdot_pairs(b2, s, k2), vdot_pairs(b3, s, k3)
+            s = vbroadcast_pair(q_pairs, q + 2 * qw + 2 * x)
+            c0, c1 = vdot_pairs(c0, s, k0), vdot_pairs(c1, s, k1)
+            c2, c3 = vdot_pairs(c2, s, k2), vdot_pairs(c3, s, k3)
+            s = vbroadcast_pair(q_pairs, q + 3 * qw + 2 * x)
+            d0, d1 = vdot_pairs(d0, s, k0), vdot_pairs(d1, s, k1)
+            d2, d3 = vdot_pairs(d2, s, k2), vdot_pairs(d3, s, k3)
+            s = vbroadcast_pair(q_pairs, q + 4 * qw + 2 * x)
+            e0, e1 = vdot_pairs(e0, s, k0), vdot_pairs(e1, s, k1)
+            e2, e3 = vdot_pairs(e2, s, k2), vdot_pairs(e3, s, k3)
+            s = vbroadcast_pair(q_pairs, q + 5 * qw + 2 * x)
+            f0, f1 = vdot_pairs(f0, s, k0), vdot_pairs(f1, s, k1)
+            f2, f3 = vdot_pairs(f2, s, k2), vdot_pairs(f3, s, k3)
+        first, last = x0 == 0, x0 + PAIR_CHUNK >= dp
+        w = w2 // 2
+        for row, s0, s1, s2, s3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
+                                    (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
+                                    (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+            _store_or_add(scores, out + row * sw, s0, s1, first, last, mult)
+            _store_or_add(scores, out + row * sw + w, s2, s3, first, last, mult)
+
+
+@jit
+def _qk_pairs6(q_pairs, r, k_pairs, panel, scores, mult):
+    """Six rows x one panel; the same sums as `_qk_pairs6w`."""
+    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
+    n = _simd.LANES_F32
+    sw = scores.shape[1]
+    out = r * sw + panel * (w2 // 2)
+    q = r * qw
+    kp = panel * dp * w2
+    for x0 in range(0, dp, PAIR_CHUNK):
+        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(scores)
+        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
+            k0 = vload_pairs(k_pairs, kp + x * w2)
+            k1 = vload_pairs(k_pairs, kp + x * w2 + 2 * n)
+            s = vbroadcast_pair(q_pairs, q + 2 * x)
+            a0, a1 = vdot_pairs(a0, s, k0), vdot_pairs(a1, s, k1)
+            s = vbroadcast_pair(q_pairs, q + qw + 2 * x)
+            b0, b1 = vdot_pairs(b0, s, k0), vdot_pairs(b1, s, k1)
+            s = vbroadcast_pair(q_pairs, q + 2 * qw + 2 * x)
+            c0, c1 = vdot_pairs(c0, s, k0), vdot_pairs(c1, s, k1)
+            s = vbroadcast_pair(q_pairs, q + 3 * qw + 2 * x)
+            d0, d1 = vdot_pairs(d0, s, k0), vdot_pairs(d1, s, k1)
+            s = vbroadcast_pair(q_pairs, q + 4 * qw + 2 * x)
+            e0, e1 = vdot_pairs(e0, s, k0), vdot_pairs(e1, s, k1)
+            s = vbroadcast_pair(q_pairs, q + 5 * qw + 2 * x)
+            f0, f1 = vdot_pairs(f0, s, k0), vdot_pairs(f1, s, k1)
+        first, last = x0 == 0, x0 + PAIR_CHUNK >= dp
+        _store_or_add(scores, out, a0, a1, first, last, mult)
+        _store_or_add(scores, out + sw, b0, b1, first, last, mult)
+        _store_or_add(scores, out + 2 * sw, c0, c1, first, last, mult)
+        _store_or_add(scores, out + 3 * sw, d0, d1, first, last, mult)
+        _store_or_add(scores, out + 4 * sw, e0, e1, first, last, mult)
+        _store_or_add(scores, out + 5 * sw, f0, f1, first, last, mult)
+
+
+@jit
+def _qk_pairs1(q_pairs, r, k_pairs, panel, scores, mult):
+    """One row x one panel: the remainder rows of a tile."""
+    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
+    n = _simd.LANES_F32
+    kp = panel * dp * w2
+    for x0 in range(0, dp, PAIR_CHUNK):
+        a0 = a1 = vzeros(scores)
+        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
+            s = vbroadcast_pair(q_pairs, r * qw + 2 * x)
+            a0 = vdot_pairs(a0, s, vload_pairs(k_pairs, kp + x * w2))
+            a1 = vdot_pairs(a1, s, vload_pairs(k_pairs, kp + x * w2 + 2 * n))
+        _store_or_add(scores, r * scores.shape[1] + panel * (w2 // 2), a0, a1, x0 == 0,
+                      x0 + PAIR_CHUNK >= dp, mult)
+
+
+# -- P V
+
+def pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
+    """`_steps.pv_tile` on pairs: P (float32, from `softmax_update`) rounded to bfloat16 over
+    the keys each row group reads, then acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c] with
+    the same row groups, column slices and key ranges (a no-op for buffers that are not
+    uint16)."""
+
+
+@overload(pv_tile_pairs, jit_options=HELPER_OPTIONS)
+def _pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
+    if not _uses_pairs(v_pairs):
+        return lambda scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off: None
+
+    def pv(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
+        full = rows - rows % ROWS
+        for r in range(0, full, ROWS):
+            _round_probs(scores, p_pairs, r, ROWS, max(0, r + lo_off),
+                         min(cols, r + ROWS + hi_off))
+        for r in range(full, rows):
+            _round_probs(scores, p_pairs, r, 1, max(0, r + lo_off), min(cols, r + 1 + hi_off))
+        w = 2 * _simd.LANES_F32
+        for x0 in range(0, acc.shape[1], 2 * w):
+            wide = x0 + w < acc.shape[1]
+            for r in range(0, full, ROWS):
+                pair0, pair1 = _pair_range(max(0, r + lo_off), min(cols, r + ROWS + hi_off))
+                if wide:
+                    _pv_pairs6w(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+                else:
+                    _pv_pairs6(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+            for r in range(full, rows):
+                pair0, pair1 = _pair_range(max(0, r + lo_off), min(cols, r + 1 + hi_off))
+                _pv_pairs1(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+                if wide:
+                    _pv_pairs1(p_pairs, r, v_pairs, x0 + w, acc, alpha, pair0, pair1)
+    return pv
+
+
+@jit
+def _pair_range(key0, key1):
+    """The pairs of keys that cover keys key0 .. key1 - 1 (none when that is empty)."""
+    if key1 <= key0:
+        return 0, 0
+    return key0 // 2, (key1 + 1) // 2
+
+
+@jit
+def _round_probs(scores, p_pairs, r, n_rows, key0, key1):
+    """p_pairs = P rounded to bfloat16 for rows r .. r + n_rows - 1 over keys key0 .. key1 - 1
+    (which `softmax_update` leaves as P or 0 for every row of the group), and 0 for the key
+    beside them that shares a pair with one of them. Whole vectors: the other columns
+    converted are never read."""
+    if key1 <= key0:
+        return
+    n = _simd.LANES_F32
+    sw = scores.shape[1]
+    c0, c1 = key0 // (2 * n) * (2 * n), round_up(key1, 2 * n)
+    for row in range(r, r + n_rows):
+        base = row * sw
+        for c in range(c0, c1, 2 * n):
+            vstore_pairs(p_pairs, base + c, vload(scores, base + c), vload(scores, base + c + n))
+        if key0 % 2:
+            p_pairs[row, key0 - 1] = 0
+        if key1 % 2:
+            p_pairs[row, key1] = 0
+
+
+@jit
+def _pv_pairs6w(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
+    """Six rows x four vectors of output columns in 24 registers, rescaled by alpha as they
+    join `acc`."""
+    n = _simd.LANES_F32
+    dvp, vw, sw = acc.shape[1], v_pairs.shape[1], p_pairs.shape[1]
+    o = r * dvp + x0
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
+    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
+    p = r * sw
+    for c in range(pair0, pair1):
+        row = c * vw + 2 * x0
+        v0, v1 = vload_pairs(v_pairs, row), vload_pairs(v_pairs, row + 2 * n)
+        v2, v3 = vload_pairs(v_pairs, row + 4 * n), vload_pairs(v_pairs, row + 6 * n)
+        s = vbroadcast_pair(p_pairs, p + 2 * c)
+        a0, a1 = vdot_pairs(a0, s, v0), vdot_pairs(a1, s, v1)
+        a2, a3 = vdot_pairs(a2, s, v2), vdot_pairs(a3, s, v3)
+        s = vbroadcast_pair(p_pairs, p + sw + 2 * c)
+        b0, b1 = vdot_pairs(b0, s, v0), vdot_pairs(b1, s, v1)
+        b2, b3 = vdot_pairs(b2, s, v2), vdot_pairs(b3, s, v3)
+        s = vbroadcast_pair(p_pairs, p + 2 * sw + 2 * c)
+        c0, c1 = vdot_pairs(c0, s, v0), vdot_pairs(c1, s, v1)
+        c2, c3 = vdot_pairs(c2, s, v2), vdot_pairs(c3, s, v3)
+        s = vbroadcast_pair(p_pairs, p + 3 * sw + 2 * c)
+        d0, d1 = vdot_pairs(d0, s, v0), vdot_pairs(d1, s, v1)
+        d2, d3 = vdot_pairs(d2, s, v2), vdot_pairs(d3, s, v3)
+        s = vbroadcast_pair(p_pairs, p + 4 * sw + 2 * c)
+        e0, e1 = vdot_pairs(e0, s, v0), vdot_pairs(e1, s, v1)
+        e2, e3 = vdot_pairs(e2, s, v2), vdot_pairs(e3, s, v3)
+        s = vbroadcast_pair(p_pairs, p + 5 * sw + 2 * c)
+        f0, f1 = vdot_pairs(f0, s, v0), vdot_pairs(f1, s, v1)
+        f2, f3 = vdot_pairs(f2, s, v2), vdot_pairs(f3, s, v3)
+    for row, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
+                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
+        _rescale_add(acc, o + row * dvp, alpha[r + row], t0, t1)
+        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], t2, t3)
+
+
+@jit
+def _pv_pairs6(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
+    """Six rows x two vectors of output columns (the last slice of a narrow head)."""
+    n = _simd.LANES_F32
+    dvp, vw, sw = acc.shape[1], v_pairs.shape[1], p_pairs.shape[1]
+    o = r * dvp + x0
+    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
+    p = r * sw
+    for c in range(pair0, pair1):
+        row = c * vw + 2 * x0
+        v0, v1 = vload_pairs(v_pairs, row), vload_pairs(v_pairs, row + 2 * n)
+        s = vbroadcast_pair(p_pairs, p + 2 * c)
+        a0, a1 = vdot_pairs(a0, s, v0), vdot_pairs(a1, s, v1)
+        s = vbroadcast_pair(p_pairs, p + sw + 2 * c)
+        b0, b1 = vdot_pairs(b0, s, v0), vdot_pairs(b1, s, v1)
+        s = vbroadcast_pair(p_pairs, p + 2 * sw + 2 * c)
+        c0, c1 = vdot_pairs(c0, s, v0), vdot_pairs(c1, s, v1)
+        s = vbroadcast_pair(p_pairs, p + 3 * sw + 2 * c)
+        d0, d1 = vdot_pairs(d0, s, v0), vdot_pairs(d1, s, v1)
+        s = vbroadcast_pair(p_pairs, p + 4 * sw + 2 * c)
+        e0, e1 = vdot_pairs(e0, s, v0), vdot_pairs(e1, s, v1)
+        s = vbroadcast_pair(p_pairs, p + 5 * sw + 2 * c)
+        f0, f1 = vdot_pairs(f0, s, v0), vdot_pairs(f1, s, v1)
+    _rescale_add(acc, o, alpha[r], a0, a1)
+    _rescale_add(acc, o + dvp, alpha[r + 1], b0, b1)
+    _rescale_add(acc, o + 2 * dvp, alpha[r + 2], c0, c1)
+    _rescale_add(acc, o + 3 * dvp, alpha[r + 3], d0, d1)
+    _rescale_add(acc, o + 4 * dvp, alpha[r + 4], e0, e1)
+    _rescale_add(acc, o + 5 * dvp, alpha[r + 5], f0, f1)
+
+
+@jit
+def _pv_pairs1(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
+    """One row x two vectors: the remainder rows of a tile."""
+    n = _simd.LANES_F32
+    vw = v_pairs.shape[1]
+    a0 = a1 = vzeros(acc)
+    p = r * p_pairs.shape[1]
+    for c in range(pair0, pair1):
+        s = vbroadcast_pair(p_pairs, p + 2 * c)
+        a0 = vdot_pairs(a0, s, vload_pairs(v_pairs, c * vw + 2 * x0))
+        a1 = vdot_pairs(a1, s, vload_pairs(v_pairs, c * vw + 2 * x0 + 2 * n))
+    _rescale_add(acc, r * acc.shape[1] + x0, alpha[r], a0, a1)
+

@@ -1,0 +1,240 @@
+"""bfloat16 on AVX512-BF16: the pair intrinsics of `cpuflash._simd`, the forward's bfloat16
+dot-product path (`kernels/_pairs.py`) against a plain bfloat16 implementation
+(`accuracy.bf16_dot_reference`: P rounded to bfloat16 before ``P V``), and the choice of that
+path from the compile target's features (the widening path elsewhere, never an abort)."""
+
+import os
+import platform
+
+import numba
+import numpy as np
+import pytest
+
+import cpuflash
+from accuracy import assert_close_to_reference, bf16_dot_reference
+from cpuflash import _simd
+from cpuflash._simd import (vbroadcast_pair, vdot_pairs, vload, vload_pairs, vload_rows_bits,
+                            vstore, vstore_bits, vstore_interleaved, vstore_pairs, vtranspose)
+from helpers import (cache_case, check_kvcache, check_varlen, explain, packed, run_python,
+                     with_new_keys)
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs ml_dtypes")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+N = _simd.LANES_F32
+
+
+def bits(x):
+    return np.ascontiguousarray(x).view(np.uint16)
+
+
+# -- the intrinsics (on any CPU: without AVX512-BF16 they compile to float32 code)
+
+@numba.njit(cache=True)
+def _dots(acc, a, b, out, out_bcast):
+    for i in range(0, acc.size, N):
+        x = vload(acc, i)
+        vstore(out, i, vdot_pairs(x, vload_pairs(a, 2 * i), vload_pairs(b, 2 * i)))
+        vstore(out_bcast, i, vdot_pairs(x, vbroadcast_pair(a, 2 * i), vload_pairs(b, 2 * i)))
+
+
+@numba.njit(cache=True)
+def _moves(x, p, src, stride, interleaved, transposed):
+    for i in range(0, x.size, 2 * N):
+        vstore_pairs(p, i, vload(x, i), vload(x, i + N))
+    vstore_interleaved(interleaved, 0, src, 0, stride)
+    block = vtranspose(vload_rows_bits(src, 0, stride))
+    for j in range(N):
+        vstore_bits(transposed, 2 * N * j, block[j])
+
+
+def test_dot_pairs_adds_both_exact_products_odd_first(rng):
+    n = 4 * N
+    acc = rng.standard_normal(n).astype(np.float32)
+    a, b = (rng.standard_normal(2 * n).astype(BF16) for _ in range(2))
+    out, out_bcast = np.empty(n, np.float32), np.empty(n, np.float32)
+    _dots(acc, bits(a), bits(b), out, out_bcast)
+    af, bf = a.astype(np.float64), b.astype(np.float64)  # products exact in float32 too
+
+    def expected(a_odd, a_even):
+        first = (acc + a_odd * bf[1::2]).astype(np.float32)
+        return (first + a_even * bf[0::2]).astype(np.float32)
+    np.testing.assert_array_equal(out, expected(af[1::2], af[0::2]))
+    # the broadcast pair of lane block i is (a[2i], a[2i + 1]) of its first lane
+    starts = np.repeat(np.arange(0, n, N), N)
+    np.testing.assert_array_equal(out_bcast, expected(af[2 * starts + 1], af[2 * starts]))
+
+
+def test_pair_moves(rng):
+    x = (rng.standard_normal(4 * N) * 100).astype(np.float32)
+    x[:4] = [np.inf, -np.inf, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]  # ties go to even
+    stride = 2 * N + 6
+    src = np.arange(N * stride, dtype=np.uint16)
+    p = np.empty(4 * N, np.uint16)
+    interleaved = np.empty(2 * N, np.uint16)
+    transposed = np.empty((N, 2 * N), np.uint16)
+    _moves(x, p, src, stride, interleaved, transposed.reshape(-1))
+    np.testing.assert_array_equal(p, bits(x.astype(BF16)))
+    np.testing.assert_array_equal(interleaved, np.stack([src[:N], src[stride:stride + N]], 1)
+                                  .reshape(-1))
+    rows = src.reshape(N, stride)[:, :2 * N].reshape(N, N, 2)  # (key, pair, 2)
+    np.testing.assert_array_equal(transposed, rows.transpose(1, 0, 2).reshape(N, 2 * N))
+
+
+@pytest.mark.parametrize(
+    "cpu_name, features, expected",
+    [
+        ("znver4", "", True),
+        ("sapphirerapids", None, True),  # LLVM's model of the named CPU decides
+        ("skylake-avx512", None, False),
+        ("skylake-avx512", "+avx512bf16", True),
+        ("znver4", "+avx512f,-avx512bf16", False),
+        ("haswell", "+avx512bf16,-avx512f", False),  # no 512-bit vectors: no pairs
+        ("haswell", None, False),
+    ],
+)
+def test_target_bf16_rule(cpu_name, features, expected):
+    if not X86:
+        pytest.skip("x86 CPU names")
+    assert _simd._target_has_avx512bf16(cpu_name, features) is expected
+
+
+def test_host_rule_matches_the_host():
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        from numba.core import codegen
+        host = codegen.get_host_cpu_features().split(",")
+        assert _simd.BF16_DOT == ("+avx512bf16" in host and "+avx512f" in host)
+
+
+# -- the kernels
+
+def random_bf16(rng, *shapes):
+    return tuple(rng.standard_normal(s).astype(BF16) for s in shapes)
+
+
+CASES = [  # (n_q, n_k, d, d_v, options)
+    (1, 239, 64, 64, dict(causal=True)),
+    (3, 127, 40, 24, dict(window=(50, 3))),
+    (113, 239, 59, 59, dict(causal=True, alibi_slopes=np.full(4, 0.05, np.float32))),
+    (127, 113, 111, 48, dict(softcap=20.0)),
+    (239, 239, 128, 128, dict(causal=True, window=(70, -1))),
+    (127, 3, 256, 256, {}),
+    (113, 127, 1, 3, dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("n_q, n_k, d, d_v, options", CASES)
+def test_attention_within_rule_of_plain_bf16(rng, n_q, n_k, d, d_v, options):
+    q, k, v = random_bf16(rng, (2, 4, n_q, d), (2, 2, n_k, d), (2, 2, n_k, d_v))
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, tiles=(48, 64), **options)
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    assert_close_to_reference(out, q, k, v, lse=lse, plain=bf16_dot_reference, **options)
+
+
+def test_bias_mask_sinks_and_bshd(rng):
+    n_q, n_k, d = 113, 127, 59
+    q, k, v = random_bf16(rng, (2, n_q, 4, d), (2, n_k, 2, d), (2, n_k, 2, d))
+    options = dict(bias=rng.standard_normal((4, n_q, n_k)).astype(np.float32),
+                   mask=rng.random((2, 1, n_q, n_k)) > 0.2,
+                   sinks=rng.standard_normal(4).astype(np.float32))
+    out, lse = cpuflash.attention(q, k, v, layout="bshd", return_lse=True, **options)
+    assert_close_to_reference(out, q, k, v, lse=lse, layout="bshd", plain=bf16_dot_reference,
+                              **options)
+
+
+def test_strided_inputs_give_the_same_bits(rng):
+    """Rows read as whole vectors (packed with vector moves, from any offset) or element by
+    element (a Fortran-ordered array) give the same bits."""
+    q, k, v = random_bf16(rng, (1, 2, 70, 64), (1, 2, 90, 64), (1, 2, 90, 64))
+    expected = cpuflash.attention(q, k, v, causal=True)
+    wide = [np.zeros(x.shape[:-1] + (80,), BF16) for x in (q, k, v)]
+    for w, x in zip(wide, (q, k, v)):
+        w[..., 3:67] = x
+    got = cpuflash.attention(*(w[..., 3:67] for w in wide), causal=True)
+    np.testing.assert_array_equal(bits(got), bits(expected))
+    got = cpuflash.attention(*(np.asfortranarray(x) for x in (q, k, v)), causal=True)
+    np.testing.assert_array_equal(bits(got), bits(expected))
+
+
+def test_pairs_path_rounds_p(rng):
+    """With AVX512-BF16, P is rounded to bfloat16 (the widening path equals the float32 kernel
+    on the widened inputs, rounded once)."""
+    q, k, v = random_bf16(rng, (1, 2, 100, 64), (1, 2, 100, 64), (1, 2, 100, 64))
+    widened = cpuflash.attention(*(x.astype(np.float32) for x in (q, k, v))).astype(BF16)
+    same = np.array_equal(bits(cpuflash.attention(q, k, v)), bits(widened))
+    assert same != _simd.BF16_DOT
+
+
+def test_hidden_infinite_values_stay_hidden(rng):
+    q, k, v = random_bf16(rng, (1, 2, 50, 64), (1, 2, 50, 64), (1, 2, 50, 64))
+    v[0, 0, 40] = np.inf
+    v[0, 1, 45, 3] = np.nan
+    out = cpuflash.attention(q, k, v, causal=True).astype(np.float32)
+    assert np.isfinite(out[0, 0, :40]).all() and not np.isfinite(out[0, 0, 40:]).all()
+    assert np.isfinite(out[0, 1, :45]).all() and np.isnan(out[0, 1, 45:, 3]).all()
+    assert np.isfinite(np.delete(out[0, 1, 45:], 3, axis=-1)).all()
+
+
+def test_bits_do_not_depend_on_threads(rng):
+    q, k, v = random_bf16(rng, (1, 4, 300, 64), (1, 2, 300, 64), (1, 2, 300, 64))
+    before = numba.get_num_threads()
+    try:
+        outs = []
+        for threads in {1, before}:
+            numba.set_num_threads(threads)
+            outs.append(bits(cpuflash.attention(q, k, v, causal=True)))
+    finally:
+        numba.set_num_threads(before)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+@pytest.mark.parametrize("d", [64, 59])
+def test_varlen(rng, d):
+    q, k, v, cu_q, cu_k = packed(rng, [5, 0, 130, 77, 1], [9, 3, 200, 77, 40], d=d, d_v=d,
+                                 dtype=BF16)
+    options = dict(causal=True, window=(60, -1), softcap=20.0,
+                   alibi_slopes=np.full(4, 0.05, np.float32))
+    out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **options)
+    check_varlen(out, lse, q, k, v, cu_q, cu_k, plain=bf16_dot_reference, **options)
+
+
+def test_kvcache_chunked_prefill(rng):
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, dtype=BF16, n_max=320, d=64, d_v=48,
+                                                    hq=8, hk=2, n_q=40, n_new=40,
+                                                    seqlens=[0, 100, 280])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache.copy(), v_cache.copy(), k=k, v=v,
+                                               cache_seqlens=seqlens, causal=True,
+                                               return_lse=True)
+    written = [with_new_keys(c, new, seqlens) for c, new in ((k_cache, k), (v_cache, v))]
+    check_kvcache(out, lse, q, *written, seqlens + 40, causal=True, plain=bf16_dot_reference)
+
+
+# -- a compile target without AVX512-BF16: the widening path, chosen before anything compiles
+
+NO_BF16_SCRIPT = """
+import numpy as np, ml_dtypes
+import cpuflash
+from cpuflash import _simd
+from cpuflash.__main__ import info_lines
+rng = np.random.default_rng(5)
+q, k, v = (rng.standard_normal((1, 2, 70, 59)).astype(ml_dtypes.bfloat16) for _ in range(3))
+out = cpuflash.attention(q, k, v, causal=True)
+widened = cpuflash.attention(*(x.astype(np.float32) for x in (q, k, v)), causal=True)
+same = np.array_equal(out.view(np.uint16), widened.astype(ml_dtypes.bfloat16).view(np.uint16))
+line = [x for x in info_lines() if x.startswith("bfloat16:")][0]
+print(_simd.LANES_F32, _simd.BF16_DOT, same, "widened" in line)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="x86 CPU names")
+def test_target_without_bf16_widens(tmp_path):
+    """An AVX-512 CPU without AVX512-BF16 (Skylake-X): 16 lanes, bfloat16 widened to float32
+    (bit for bit the float32 kernel's result, rounded), no abort."""
+    env = dict(os.environ, NUMBA_CPU_NAME="skylake-avx512", NUMBA_CACHE_DIR=str(tmp_path),
+               CPUFLASH_QUIET="1")
+    env.pop("NUMBA_CPU_FEATURES", None)
+    result = run_python(NO_BF16_SCRIPT, env=env, timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert result.stdout.split() == ["16", "False", "True", "True"], explain(result)
