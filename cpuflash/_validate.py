@@ -47,11 +47,16 @@ def as_array(name, x):
     """`x` as a numpy array without copying; anything numpy cannot view is a TypeError."""
     if isinstance(x, np.ndarray):
         return x
-    if isinstance(x, (list, tuple, numbers.Number, str, bytes)) or x is None:
-        _fail(TypeError, f"`{name}` must be an array, got {type(x).__name__}")
     torch = sys.modules.get("torch")  # never imported here: a tensor means torch is loaded
     if torch is not None and isinstance(x, torch.Tensor):
         x = _without_grad(name, x, torch)
+        if type(x) is torch.Tensor:  # what numpy.asarray returns for it, at half the cost
+            try:
+                return x.numpy()
+            except Exception:  # noqa: BLE001 - numpy.asarray below says why
+                pass
+    elif isinstance(x, (list, tuple, numbers.Number, str, bytes)) or x is None:
+        _fail(TypeError, f"`{name}` must be an array, got {type(x).__name__}")
     try:
         return np.asarray(x)
     except Exception as exc:  # noqa: BLE001 - any failure here means "not an array"
