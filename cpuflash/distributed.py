@@ -296,6 +296,7 @@ class _Ring:
         self.q_chunks = chunks(self.rank, self.n_q, self.size, self.balance)
         self.timings.update(compute_s=0.0, wait_s=0.0, steps=0, skipped_steps=0,
                             bytes_sent=0)
+        self.in_flight = []  # the requests `progress` advances
 
     def calls(self, source):
         """The single-node calls of the step that holds rank `source`'s keys and values:
@@ -317,6 +318,13 @@ class _Ring:
 
     def neighbours(self):
         return (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def progress(self):
+        """Let MPI move the messages in flight: without a progress thread, most transports
+        advance a large transfer only inside MPI calls, so the ring calls in between its
+        single-node calls."""
+        if self.in_flight:
+            MPI.Request.Testall(self.in_flight)
 
     def wait(self, requests):
         if requests:
@@ -372,6 +380,7 @@ def _circulate(ring, own, work):
             if spare is None:
                 spare = tuple(np.empty(x.shape, x.dtype) for x in own)
             requests = ring.exchange(sending, spare, (_TAG_K, _TAG_V))
+        ring.in_flight = list(requests)
         work(step, source, current)
         ring.wait(requests)
         ring.timings["steps"] += 1
@@ -461,12 +470,25 @@ def _forward(ring, q, k, v):
             o, s = cpuflash.attention(qh[..., rows, :], kh[..., keys, :], vh[..., keys, :],
                                       return_lse=True, **keywords)
             # -- merge into the running result, in ring order
-            out[..., rows, :], lse[..., rows] = cpuflash.merge_states(
-                [out[..., rows, :], o], [lse[..., rows], s])
+            _merge_into(out[..., rows, :], lse[..., rows], o, s)
+            ring.progress()
         ring.timings["compute_s"] += time.perf_counter() - start
 
     _circulate(ring, (k, v), work)
     return out, lse
+
+
+# rows merged per `merge_states` call: its temporaries (a few copies of the rows it merges)
+# stay a small fraction of the running output
+MERGE_ROWS = 1024
+
+
+def _merge_into(out, lse, part_out, part_lse):
+    """Merge a partial result into the running `out`, `lse` (views, written in place)."""
+    for lo in range(0, out.shape[-2], MERGE_ROWS):
+        rows = slice(lo, lo + MERGE_ROWS)
+        out[..., rows, :], lse[..., rows] = cpuflash.merge_states(
+            [out[..., rows, :], part_out[..., rows, :]], [lse[..., rows], part_lse[..., rows]])
 
 
 def _backward_check(dout, q, k, v, out, lse, **keywords):
@@ -562,6 +584,7 @@ def _backward(ring, dout, q, k, v, out, lse):
         if step > 0:
             receiving = [ring.comm.Irecv([_bytes(b), MPI.BYTE], source=frm, tag=t)
                          for b, t in zip(received, (_TAG_DK, _TAG_DV))]
+        ring.in_flight += receiving + sent
         calls = ring.calls(source)
         share = None
         if calls:
@@ -578,6 +601,7 @@ def _backward(ring, dout, q, k, v, out, lse):
                 dqh[..., rows, :] += g_q
                 dkh[..., keys, :] += g_k
                 dvh[..., keys, :] += g_v
+                ring.progress()
             ring.timings["compute_s"] += time.perf_counter() - start
         else:
             ring.timings["skipped_steps"] += 1
