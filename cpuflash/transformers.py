@@ -1,0 +1,315 @@
+"""cpuflash inside Hugging Face transformers: one registered attention implementation.
+
+``import cpuflash.transformers`` needs torch and transformers
+(``pip install "cpuflash[transformers]"``); ``import cpuflash`` alone imports neither. Then::
+
+    import cpuflash.transformers
+    cpuflash.transformers.register()                       # the name "cpufa"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cpufa")
+
+The name holds no "flash": transformers takes every implementation name containing "flash"
+for a flash-attn kernel to fetch from its hub.
+
+Two functions are registered under the name. The attention function receives the model's
+query ``(B, Hq, Nq, D)`` and key/value ``(B, Hk, Nk, D)`` (the KV cache included) and returns
+``(B, Nq, Hq, Dv)``, written straight into the tensor torch allocated. The mask function
+replaces the dense ``(B, 1, Nq, Nk)`` mask with what cpuflash can apply without one, whenever
+the model's mask is one of transformers' plain patterns (causal, sliding-window causal,
+bidirectional, bidirectional window) and the keys end where the queries end (every dynamic
+cache does): a tensor tagged with the pattern that holds only the padding, ``(B, 1, 1, Nk)``, a
+view of the model's 2-D attention mask, or nothing at all when nothing is padded. Any other
+mask (packed sequences, image-token overlays, static caches, masks a model asks to be
+materialized) is built by transformers as for sdpa and applied as it is, so the results are
+those of ``attn_implementation="eager"`` in every case, and fast in the common ones.
+
+Under ``torch.no_grad()`` or ``torch.inference_mode()`` the tensors reach `cpuflash.attention`
+(or, for a decoding step without padding, `cpuflash.attention_with_kvcache`) as numpy views of
+torch's memory; with grad mode on and an input that requires grad (training), the call goes
+through `cpuflash.torch.attention`, which is differentiable in q, k, v and the sinks.
+"""
+
+import numpy as np
+
+try:
+    import torch
+    import transformers
+except ImportError as exc:
+    raise ImportError("cpuflash.transformers needs torch and transformers "
+                      "(pip install \"cpuflash[transformers]\"); the rest of cpuflash works "
+                      "without them") from exc
+
+from . import api
+
+__all__ = ["register"]
+
+NAME = "cpufa"
+
+# The attribute that marks a mask built by `attention_mask_function`: (causal, window, padded)
+_PATTERN = "_cpufa_pattern"
+
+# Up to this many query rows per key/value head without a mask, a call goes to the split-KV
+# decode kernel of `attention_with_kvcache`: one decoding step (Nq = 1) of any GQA group.
+_DECODE_ROWS = 16
+
+
+# -- torch <-> numpy without copies
+
+def _bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("bfloat16 models need the `ml_dtypes` package "
+                        "(pip install ml_dtypes)") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _numpy(t):
+    """A numpy view of the CPU tensor `t`; bfloat16 bits are read as ml_dtypes' bfloat16."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy().view(_bfloat16())
+    return t.detach().numpy()
+
+
+def _torch(a):
+    """The torch tensor over the numpy array `a` (no copy)."""
+    if a.dtype.kind == "V":  # ml_dtypes' bfloat16
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+# -- the attention function
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers' attention interface, computed by cpuflash.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The attention layer (its ``is_causal`` and ``training`` are read).
+    query : (B, Hq, Nq, D) tensor
+    key : (B, Hk, Nk, D) tensor
+        The KV cache included; ``Hq % Hk == 0`` (grouped heads are never repeated).
+    value : (B, Hk, Nk, Dv) tensor
+    attention_mask : tensor or None
+        What the mask function registered with it returned (a tagged padding mask, a dense
+        bool mask, or None), or a 4-D mask the caller made: bool (True = take part) or float
+        (added to the scores, as eager adds it).
+    dropout : float
+        Must be 0 (cpuflash has no dropout); models pass 0 outside training.
+    scaling : float, optional
+        Multiplies ``Q K^T``; default ``1 / sqrt(D)``.
+    sliding_window : int, optional
+        Not read: the masks carry the window (as for eager and sdpa).
+    softcap : float, optional
+        Gemma-2's logit soft-capping.
+    s_aux : (Hq,) tensor, optional
+        Attention sinks (gpt-oss).
+
+    Returns
+    -------
+    out : (B, Nq, Hq, Dv) tensor, contiguous
+    weights : None
+        cpuflash never forms the attention weights.
+    """
+    if dropout:
+        raise ValueError(f"cpuflash has no attention dropout, but the model asks for "
+                         f"dropout={dropout} (training with attention_dropout > 0): set the "
+                         f"config's attention dropout to 0, or train with "
+                         f"attn_implementation=\"eager\" or \"sdpa\"")
+    sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    keywords = _visibility(module, query, key, attention_mask, kwargs.get("is_causal"))
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:
+        keywords["bias"] = position_bias if "bias" not in keywords else \
+            keywords["bias"] + position_bias
+    if scaling is not None:
+        keywords["scale"] = float(scaling)
+    if softcap:
+        keywords["softcap"] = float(softcap)
+
+    if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        return _differentiable(query, key, value, sinks, keywords), None
+
+    if keywords.pop("crop_keys", False):
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    q, k, v = _numpy(query), _numpy(key), _numpy(value)
+    if sinks is not None:
+        keywords["sinks"] = _numpy(sinks.float()) if sinks.dtype != torch.float32 \
+            else _numpy(sinks)
+    for name in ("mask", "bias"):
+        if name in keywords:
+            keywords[name] = _numpy(keywords[name])
+    batch, heads, n_q = query.shape[:3]
+    if ("mask" not in keywords and "bias" not in keywords
+            and n_q * (heads // key.shape[1]) <= _DECODE_ROWS):
+        # a decoding step: the split-KV kernel spreads the keys over the cores
+        out = api.attention_with_kvcache(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
+                                         causal=keywords.pop("causal", False), layout="bshd",
+                                         **keywords)
+        return _torch(out), None
+    out = query.new_empty((batch, n_q, heads, value.shape[-1]))
+    api.attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), layout="bshd",
+                  out=_numpy(out), **keywords)
+    return out, None
+
+
+def _visibility(module, query, key, mask, is_causal):
+    """The keywords (causal, window, mask, bias) that say which keys each query sees."""
+    if mask is None:
+        # nothing from the mask function: the model's causal flag decides, as sdpa reads it
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        n_q, n_k = query.shape[2], key.shape[2]
+        keywords = {}
+        if causal and n_q > 1:
+            keywords["causal"] = True
+            if n_k > n_q:  # sdpa aligns top-left: the first Nq keys (an empty static cache)
+                keywords["crop_keys"] = True
+        return keywords
+    pattern = getattr(mask, _PATTERN, None)
+    if pattern is not None:
+        causal, window, padded = pattern
+        keywords = {"causal": causal} if causal else {}
+        if window is not None:
+            keywords["window"] = window
+        if padded:
+            keywords["mask"] = mask
+        return keywords
+    if mask.dtype == torch.bool:
+        return {"mask": mask}
+    return {"bias": mask.to(query.dtype) if mask.dtype != query.dtype else mask}
+
+
+def _differentiable(query, key, value, sinks, keywords):
+    """The training path: `cpuflash.torch.attention` carries the gradients."""
+    from . import torch as cpuflash_torch
+
+    if keywords.pop("crop_keys", False):
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    if sinks is not None:
+        keywords["sinks"] = sinks.float() if sinks.dtype != torch.float32 else sinks
+    out = cpuflash_torch.attention(query.transpose(1, 2), key.transpose(1, 2),
+                                   value.transpose(1, 2), layout="bshd", **keywords)
+    return out.contiguous()
+
+
+# -- the mask function
+
+def _closure(fn):
+    """The free variables of the closure `fn` by name ({} for a plain function)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    return {name: cell.cell_contents for name, cell in zip(names, cells)}
+
+
+def _plain_pattern(mask_function):
+    """(causal, window) when `mask_function` is one of transformers' plain patterns, else None.
+
+    The patterns are recognized by the functions masking_utils builds them from; anything
+    else (an overlay, packed sequences, chunks, a user's function) is not plain.
+    """
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return True, None
+    if mask_function is mu.bidirectional_mask_function:
+        return False, None
+    parts = _closure(mask_function).get("mask_functions")
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or \
+            not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    overlay, base = parts
+    size = _closure(overlay).get("sliding_window")
+    if not isinstance(size, int) or size < 1:
+        return None
+    qualname = getattr(overlay, "__qualname__", "")
+    if base is mu.causal_mask_function and \
+            qualname == "sliding_window_overlay.<locals>.inner_mask":
+        return True, (size - 1, 0)  # kv_idx > q_idx - size
+    if base is mu.bidirectional_mask_function and \
+            qualname == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
+        return False, (size, size)  # |q_idx - kv_idx| <= size
+    return None
+
+
+def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                            mask_function=None, attention_mask=None,
+                            allow_is_causal_skip=True, allow_is_bidirectional_skip=False,
+                            **kwargs):
+    """transformers' mask interface for cpuflash: the padding alone where the pattern is plain.
+
+    Returns a bool tensor tagged with ``(causal, window, padded)``: ``(B, 1, 1, Nk)``, a view
+    of `attention_mask`, when some key is padding, else a one-element placeholder; or, for any
+    other mask, the dense bool mask sdpa would get (never None, so that a None reaching the
+    attention function always means that the model made no mask).
+    """
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    pattern = _plain_pattern(mask_function)
+    if pattern is not None:
+        causal, window = pattern
+        # a model that asks for the mask to be built (to combine it with another) gets it built
+        wants_dense = not (allow_is_causal_skip if causal else allow_is_bidirectional_skip)
+        # causal and windows align the last query with the last key, as every dynamic cache
+        # does; a static cache (keys beyond the filled ones) or an offset tensor does not
+        aligned = (not causal and window is None) or (
+            isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and kv_offset + kv_length == q_offset + q_length)
+        if not wants_dense and aligned:
+            return _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal,
+                                 window)
+    kwargs.pop("local_size", None)  # sdpa skips by it; a mask here is always built
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, allow_is_causal_skip=False,
+                        allow_is_bidirectional_skip=False, **kwargs)
+
+
+def _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal, window):
+    """The tagged (B, 1, 1, Nk) view of the 2-D padding mask, or a placeholder if none."""
+    padded = False
+    if attention_mask is not None:
+        keys = attention_mask[:, kv_offset:kv_offset + kv_length]
+        if keys.shape[-1] < kv_length:  # keys past the mask's end are padding (as sdpa pads)
+            keys = torch.nn.functional.pad(keys, (0, kv_length - keys.shape[-1]))
+        if keys.dtype != torch.bool:
+            keys = keys.bool()
+        padded = not bool(keys.all())
+    if padded:
+        mask = keys[:, None, None, :]
+    else:
+        mask = torch.ones((), dtype=torch.bool).expand(batch_size, 1, 1, kv_length)
+    setattr(mask, _PATTERN, (causal, window, padded))
+    return mask
+
+
+# -- registration
+
+def register(name=NAME):
+    """Register cpuflash with transformers under `name`; idempotent; returns the name.
+
+    Afterwards ``from_pretrained(..., attn_implementation=name)`` or
+    ``model.set_attn_implementation(name)`` uses it.
+
+    Parameters
+    ----------
+    name : str
+        Must not contain "flash": transformers fetches every such name as a flash-attn kernel
+        from its hub.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`name` must be a non-empty str, got {name!r}")
+    if "flash" in name.lower():
+        raise ValueError(f"`name` must not contain \"flash\" (transformers treats such names as "
+                         f"flash-attn kernels to fetch from its hub), got {name!r}")
+    if name in ("eager", "sdpa", "flex_attention") or name.startswith("paged"):
+        raise ValueError(f"`name` {name!r} is one of transformers' own implementations; "
+                         f"choose another (the default is {NAME!r})")
+    transformers.AttentionInterface.register(name, attention_forward)
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionMaskInterface.register(name, attention_mask_function)
+    return name
