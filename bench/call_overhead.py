@@ -58,8 +58,8 @@ def _calls(package, arrays, tensors, padded, lengths, dtype):
     q, k, v = arrays
     calls = {
         "kvcache": lambda: package.attention_with_kvcache(q, k, v),
-        "kvcache-lens": lambda: package.attention_with_kvcache(q, *padded,
-                                                                cache_seqlens=lengths),
+        "kvcache-lens": lambda: package.attention_with_kvcache(
+            q, *padded, cache_seqlens=lengths),
         "attention": lambda: package.attention(q, k, v, causal=True),
     }
     if dtype != "bfloat16":  # numpy cannot view torch's bfloat16

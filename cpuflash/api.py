@@ -95,10 +95,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         return_lse=return_lse, out=out, tiles=tiles)
     if not (call.n_q and call.batch and call.n_heads):
         return call.result(return_lse)
-    if (call.n_k and call.tiles is None and not call.bias.size and not call.mask.size
-            and call.n_heads // call.n_kv_heads * call.n_q <= tiling.DECODE_MAX_ROWS):
-        # a few query rows per kv head: the streaming decode kernel, in a number of key splits
-        # that no thread count changes (the results must not depend on it)
+    group = call.n_heads // call.n_kv_heads
+    if (call.n_q == 1 and call.n_k and group <= tiling.DECODE_MAX_ROWS and call.tiles is None
+            and not call.bias.size and not call.mask.size):
+        # one query row (a decoding step): the streaming decode kernel, in a number of key
+        # splits that no thread count changes (the results must not depend on it). Calls of a
+        # few rows keep the FA-2 kernel, which `python -m cpuflash warmup` compiles with one.
         setup = _Decode(call, layout, call.n_k, _ATTENTION_SPLIT_THREADS)
         if key is not None and q.ndim == 4:
             _plans.put(key, setup.frozen())
