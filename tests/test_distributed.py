@@ -8,7 +8,9 @@ and every rank must raise the same error for a bad call.
 """
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -134,25 +136,43 @@ def warm_kernels():
 
 
 def _run_job(n_ranks, tmp_path, *modes):
-    """Launch the job on `n_ranks` ranks; returns each rank's records (rank -> list)."""
-    env = clean_env(NUMBA_NUM_THREADS="1", CPUFLASH_QUIET="1")
+    """Launch the job on `n_ranks` ranks; returns each rank's records (rank -> list).
+
+    A hung job is stopped: by mpiexec itself (MPIEXEC_TIMEOUT), else by SIGTERM to mpiexec,
+    which takes its ranks down with it, and last by SIGKILL to its whole process group, so
+    that no rank is left spinning in MPI after the test.
+    """
+    env = clean_env(NUMBA_NUM_THREADS="1", CPUFLASH_QUIET="1",
+                    MPIEXEC_TIMEOUT=str(JOB_TIMEOUT - 30))
     command = [_mpiexec(), "-n", str(n_ranks), sys.executable, str(JOB), str(tmp_path), *modes]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=JOB.parent, start_new_session=True)
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
-                                env=env, cwd=JOB.parent)
-    except subprocess.TimeoutExpired as exc:
+        stdout, stderr = job.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        job.terminate()
+        try:
+            stdout, stderr = job.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:  # all gone already
+            pass
+        if not stdout and not stderr:
+            stdout, stderr = job.communicate()
         pytest.fail(f"the {n_ranks}-rank job did not finish in {JOB_TIMEOUT} s (a rank hung?)"
-                    f"\n--- stdout\n{exc.stdout}\n--- stderr\n{exc.stderr}")
+                    f"\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
     records = {}
     for rank in range(n_ranks):
         path = tmp_path / f"rank{rank}.jsonl"
         records[rank] = ([json.loads(line) for line in path.read_text().splitlines()]
                          if path.exists() else [])
     failed = [r for lines in records.values() for r in lines if r.get("ok") is False]
-    assert result.returncode == 0 and not failed, (
-        f"{n_ranks} ranks: exit {result.returncode}\n"
+    assert job.returncode == 0 and not failed, (
+        f"{n_ranks} ranks: exit {job.returncode}\n"
         + "\n".join(f"rank {r['rank']} {r['case']}: {r['message']}" for r in failed)
-        + f"\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
+        + f"\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
     for rank, lines in records.items():
         assert lines and lines[-1] == {"rank": rank, "done": 0}, f"rank {rank} did not finish"
     return records
