@@ -370,7 +370,6 @@ def _circulate(ring, own, work):
     while the next is in flight. `own` are this rank's parts (never written); the parts held
     besides are two: the one being sent (and computed) and the one being received."""
     size = ring.size
-    to, frm = ring.neighbours()
     current, spare = own, None
     for step in range(size):
         source = (ring.rank - step) % size

@@ -48,6 +48,11 @@ def main():
     dout = rng.standard_normal(q.shape, dtype=np.float32)
     my_q, my_k, my_v, my_dout = (distributed.shard(x) for x in (q, k, v, dout))
 
+    # -- load the compiled kernels first, so that the timings below are the ring's
+    tiny = np.ones((1, 1, 8, args.dim), np.float32)
+    tiny_out, tiny_lse = cpuflash.attention(tiny, tiny, tiny, causal=True, return_lse=True)
+    cpuflash.attention_backward(tiny, tiny, tiny, tiny, tiny_out, tiny_lse, causal=True)
+
     # -- forward and backward on the ring
     forward, backward = {}, {}
     comm.Barrier()
