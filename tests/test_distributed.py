@@ -247,4 +247,3 @@ def test_bad_input_on_one_rank(rng, call, exc, match):
     q = rng.standard_normal((1, 2, 6, 4)).astype(np.float32)
     with pytest.raises(exc, match=match):
         call(q)
-

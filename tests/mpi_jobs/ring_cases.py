@@ -1,10 +1,10 @@
 """Run under ``mpiexec -n P``: ring attention against one process, case by case.
 
-``python ring_cases.py DIR correct errors``: ``correct`` runs every case of `CASES` through `ring_attention` and
-`ring_attention_backward` and checks each rank's result, gathered whole with `unshard`, against
-the float64 oracle by the accuracy rule (the gradients against a dense chain rule of the
-reference, the rule of test_backward.py); ``errors`` makes bad calls and
-prints what each rank raised, then makes one good call (the ring still works after them).
+``python ring_cases.py DIR correct errors``: ``correct`` runs every case of `CASES` through
+`ring_attention` and `ring_attention_backward` and checks each rank's result, gathered whole
+with `unshard`, against the float64 oracle by the accuracy rule (the gradients against a dense
+chain rule of the reference, the rule of test_backward.py); ``errors`` makes bad calls and
+records what each rank raised, then makes one good call (the ring still works after them).
 
 Each rank writes one JSON line per case, ``{"rank", "case", "ok", "message"}``, and a final
 ``{"rank", "done": failures}`` to ``DIR/rank<R>.jsonl`` (the failures to stdout too); the exit
@@ -65,7 +65,10 @@ def backward_reference(dout, q, k, v, *, dtype, causal=False, scale=None, window
                             softcap=softcap, alibi_slopes=alibi_slopes, dtype=dtype)
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     k_rep, v_rep = (np.repeat(x, group, axis=-3) if group > 1 else x for x in (k, v))
-    t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+
+    def t(x):
+        return np.swapaxes(x, -1, -2)
+
     chain = 1
     if softcap > 0:
         tanh = np.tanh(q @ t(k_rep) * dtype.type(scale) / dtype.type(softcap))
@@ -106,8 +109,8 @@ CASES = [
     ("causal gqa dv", ((1, 4, "n", 24), (1, 2, "n", 24), (1, 2, "n", 40)), "float32", "bhsd",
      dict(causal=True)),
     ("window", ((1, 2, "n", 16),) * 3, "float32", "bhsd", dict(window=(5, 9))),
-    ("causal window", ((1, 2, "n", 16),) * 3, "float32", "bhsd", dict(causal=True,
-                                                                       window=(13, -1))),
+    ("causal window", ((1, 2, "n", 16),) * 3, "float32", "bhsd",
+     dict(causal=True, window=(13, -1))),
     ("one-sided window", ((1, 2, "n", 16),) * 3, "float32", "bhsd", dict(window=(-1, 3))),
     ("alibi causal", ((1, 4, "n", 16), (1, 2, "n", 16), (1, 2, "n", 16)), "float32", "bhsd",
      dict(causal=True, alibi_slopes=SLOPES)),
