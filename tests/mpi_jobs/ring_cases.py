@@ -13,6 +13,7 @@ status is 1 when a check failed on this rank.
 
 import json
 import sys
+import tracemalloc
 import traceback
 import zlib
 from pathlib import Path
@@ -198,9 +199,44 @@ def skipped_steps():
             (balance, window, timings)
 
 
+def peak_bytes(call):
+    """The most memory numpy held at once during `call` (after a first, untraced call)."""
+    call()
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def memory_bound():
+    """A rank holds its own key/value part plus two in flight, whatever P: the ring's peak
+    is one single-node call's on the same parts plus two parts (the backward: plus its three
+    float32 dK/dV accumulators and dQ), and a few percent of a part for the running output.
+    Large K (D = 256) and a small output (Dv = 8) make the parts the bulk of it."""
+    rng = np.random.default_rng(5)
+    q, k = (rng.standard_normal((1, 1, 256 * SIZE, 256)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((1, 1, 256 * SIZE, 8)).astype(np.float32)
+    parts = [distributed.shard(x) for x in (q, k, v)]
+    part = parts[1].nbytes + parts[2].nbytes
+    out, lse = cpuflash.attention(*parts, return_lse=True)
+    ring_out, ring_lse = distributed.ring_attention(*parts, return_lse=True)
+    single = peak_bytes(lambda: cpuflash.attention(*parts, return_lse=True))
+    ring = peak_bytes(lambda: distributed.ring_attention(*parts, return_lse=True))
+    assert ring <= single + 2.25 * part, \
+        f"forward: {ring / part:.2f} parts at the peak, one call takes {single / part:.2f}"
+    single = peak_bytes(lambda: cpuflash.attention_backward(out, *parts, out, lse))
+    ring = peak_bytes(lambda: distributed.ring_attention_backward(ring_out, *parts, ring_out,
+                                                                  ring_lse))
+    assert ring <= single + 5.25 * part + parts[0].nbytes, \
+        f"backward: {ring / part:.2f} parts at the peak, one call takes {single / part:.2f}"
+
+
 def correct():
     failures = 0
-    for label, check in (("same bits again", same_bits_again), ("skipped steps", skipped_steps)):
+    for label, check in (("same bits again", same_bits_again), ("skipped steps", skipped_steps),
+                         ("memory bound", memory_bound)):
         try:
             check()
             report(label, True)
