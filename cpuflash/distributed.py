@@ -444,9 +444,9 @@ def ring_attention(q, k, v, *, comm=None, causal=False, scale=None, window=None,
     ring = _make_ring(comm, q, k, layout, balance, causal, window, alibi_slopes, scale, softcap,
                       timings)
     out, lse = _forward(ring, q, k, v)
-    out_user = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
-    out_user[...] = np.swapaxes(out, 1, 2) if layout == "bshd" else out
-    return (out_user, lse) if return_lse else out_user
+    out = np.swapaxes(out, 1, 2) if layout == "bshd" else out
+    out = np.ascontiguousarray(out.astype(q.dtype, copy=False))  # half precision: rounded once
+    return (out, lse) if return_lse else out
 
 
 def _forward(ring, q, k, v):
@@ -554,13 +554,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False,
     dout, q, k, v, out, lse = checked
     ring = _make_ring(comm, q, k, layout, balance, causal, window, alibi_slopes, scale, softcap,
                       timings)
-    dq, dk, dv = _backward(ring, dout, q, k, v, out, lse)
-    grads = []
-    for grad, like in ((dq, q), (dk, k), (dv, v)):
-        result = np.empty(like.shape, dtype=like.dtype)
-        result[...] = grad
-        grads.append(result)
-    return tuple(grads)
+    # the sums are in the caller's layout already; half precision is rounded once, here
+    return tuple(grad.astype(like.dtype, copy=False)
+                 for grad, like in zip(_backward(ring, dout, q, k, v, out, lse), (q, k, v)))
 
 
 def _backward(ring, dout, q, k, v, out, lse):
