@@ -163,10 +163,6 @@ def alibi_bias(slopes, n_q, n_k, shift, dtype):
 
 # -- arguments: checked on each rank, agreed by all ---------------------------------------------
 
-class _Problem(Exception):
-    """A bad argument found on this rank, carried to the agreement step."""
-
-
 def _communicator(comm):
     if comm is None:
         return MPI.COMM_WORLD
@@ -251,6 +247,12 @@ def _forward_check(q, k, v, *, causal, scale, window, softcap, alibi_slopes, lay
     q, k, v = _array("q", q), _array("k", k), _array("v", v)
     _choice("layout", layout, LAYOUTS)
     _choice("balance", balance, BALANCES)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2 or (layout == "bshd" and x.ndim != 4):
+            expected = "4-D (batch, seqlen, heads, dim)" if layout == "bshd" else \
+                "at least 2-D (..., seqlen, dim)"
+            raise ValueError(f"`{name}` must be {expected} with layout={layout!r}, got shape "
+                             f"{x.shape}")
     cpuflash.attention(*(_rows(x, _seq_axis(x, layout), 0, 0) for x in (q, k, v)),
                        causal=causal, scale=scale, window=window, softcap=softcap,
                        alibi_slopes=alibi_slopes, layout=layout)
@@ -266,7 +268,8 @@ def _forward_signature(args, **keywords):
     signature = {f"the shape of `{n}` (each rank holds an equal part)": x.shape
                  for n, x in (("q", q), ("k", k), ("v", v))}
     signature["the dtype of `q`"] = str(q.dtype)
-    signature.update({f"`{name}`": value for name, value in keywords.items()})
+    signature.update({f"`{name}`": tuple(value) if name == "window" and value is not None
+                      else value for name, value in keywords.items()})
     signature["`alibi_slopes`"] = None if alibi is None else np.asarray(alibi).tolist()
     return signature
 

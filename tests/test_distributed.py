@@ -241,6 +241,8 @@ def test_one_rank_is_the_single_node_call(rng):
     (lambda q: distributed.ring_attention(q.tolist(), q, q), TypeError, "`q` must be a numpy"),
     (lambda q: distributed.ring_attention(q[..., :5, :], q, q), ValueError, "must be even"),
     (lambda q: distributed.shard(q, axis=7), ValueError, "`axis`"),
+    (lambda q: distributed.ring_attention(q[0], q[0], q[0], layout="bshd"), ValueError,
+     "`q` must be 4-D"),
     (lambda q: distributed.unshard(q, layout="thd"), ValueError, "`layout`"),
 ])
 def test_bad_input_on_one_rank(rng, call, exc, match):
