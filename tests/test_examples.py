@@ -1,8 +1,9 @@
 """Every script in examples/ runs with ``--small`` and exits 0.
 
 The scripts are found by glob, so a new example is tested as soon as it exists (it must accept
-``--small``). Each runs in its own interpreter, as a user would run it; examples that import torch
-are skipped where torch is not installed.
+``--small``). Each runs in its own interpreter, as a user would run it; an example that imports an
+optional package (directly or through the cpuflash adapter that needs it) is skipped where that
+package is not installed.
 """
 
 import importlib.util
@@ -15,7 +16,24 @@ import pytest
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.py"))
-IMPORTS_TORCH = re.compile(r"^\s*(import|from)\s+torch\b", re.MULTILINE)
+# optional package -> the imports of it (or of the adapter built on it) that a script may have
+OPTIONAL_IMPORTS = {
+    package: re.compile(r"^\s*(import|from)\s+(%s)\b" % "|".join(map(re.escape, modules)),
+                        re.MULTILINE)
+    for package, modules in {
+        "torch": ["torch", "cpuflash.torch"],
+        "transformers": ["transformers", "cpuflash.transformers"],
+        "mpi4py": ["mpi4py", "cpuflash.distributed"],
+    }.items()
+}
+
+
+def missing_package(text):
+    """The first optional package the script imports that is not installed, or None."""
+    for package, imports in OPTIONAL_IMPORTS.items():
+        if imports.search(text) and importlib.util.find_spec(package) is None:
+            return package
+    return None
 
 
 def test_examples_are_found():
@@ -26,8 +44,9 @@ def test_examples_are_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda path: path.name)
 def test_example_runs_small(script):
-    if IMPORTS_TORCH.search(script.read_text()) and importlib.util.find_spec("torch") is None:
-        pytest.skip("torch is not installed")
+    package = missing_package(script.read_text())
+    if package is not None:
+        pytest.skip(f"{package} is not installed")
     result = subprocess.run([sys.executable, str(script), "--small"], cwd=EXAMPLES_DIR.parent,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (
