@@ -38,7 +38,7 @@ __all__ = [
     "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax",
     "vfill_outside", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
     "BF16_DOT", "vload_pairs", "vbroadcast_pair", "vdot_pairs", "vstore_pairs", "vload_rows_bits",
-    "vstore_bits", "vstore_interleaved",
+    "vload_bits", "vstore_bits", "vstore_interleaved",
 ]
 
 # A function returning a 512-bit vector: with AVX-512F it is returned in zmm0.
@@ -939,6 +939,20 @@ def vload_rows_bits(typingctx, arr, i, stride):
         return result
 
     return block(arr, i, stride), codegen
+
+
+@intrinsic
+def vload_bits(typingctx, arr, i):
+    """``arr[i : i + 2 * lanes]`` of a uint16 array as a float32 vector carrying the bits (for
+    `vstore_bits`: a copy)."""
+    _bits_array(arr, "arr")
+    _check_index(i)
+    vec = _VEC[types.float32]
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig, args, _vec_ll(vec)), align=2)
+
+    return vec(arr, i), codegen
 
 
 @intrinsic

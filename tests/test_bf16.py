@@ -210,6 +210,44 @@ def test_kvcache_chunked_prefill(rng):
     check_kvcache(out, lse, q, *written, seqlens + 40, causal=True, plain=bf16_dot_reference)
 
 
+# -- the backward: S, dP and dQ as bfloat16 dot products (dS rounded), dK and dV in float32
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_within_rule_and_schemes_agree(rng, monkeypatch, fused):
+    from cpuflash import _backward
+    from test_backward import assert_gradients_close
+
+    q, k, v = random_bf16(rng, (2, 4, 113, 59), (2, 2, 203, 59), (2, 2, 203, 40))
+    options = dict(causal=True, alibi_slopes=np.full(4, 0.05, np.float32), softcap=20.0)
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(BF16)
+    results = []
+    for scheme in (fused, not fused):
+        monkeypatch.setattr(_backward, "_fuse", lambda *args, scheme=scheme: scheme)
+        results.append(cpuflash.attention_backward(dout, q, k, v, out, lse, **options))
+    # the plain implementation computes in bfloat16 itself (as for the widening path)
+    assert_gradients_close(results[0], dout, q, k, v, plain_dtype=BF16, **options)
+    for a, b in zip(results[0], results[1]):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_backward_nonfinite_where_float32_has_them(rng):
+    """A hidden infinite key reaches the gradients of the rows that see it only: the same
+    entries as the float32 kernel's on the widened inputs are not finite."""
+    q, k, v = random_bf16(rng, (1, 2, 60, 64), (1, 2, 60, 64), (1, 2, 60, 64))
+    k[0, 0, 50] = np.inf
+    dout = rng.standard_normal(q.shape).astype(BF16)
+    grads = []
+    for dtype in (BF16, np.float32):
+        args = [x.astype(dtype) for x in (q, k, v)]
+        out, lse = cpuflash.attention(*args, return_lse=True, causal=True)
+        grads.append(cpuflash.attention_backward(dout.astype(dtype), *args, out, lse,
+                                                 causal=True))
+    for g16, g32 in zip(*grads):
+        np.testing.assert_array_equal(np.isfinite(g16.astype(np.float32)), np.isfinite(g32))
+    assert np.isfinite(grads[0][0].astype(np.float32)[0, :, :50]).all()
+
+
 # -- a compile target without AVX512-BF16: the widening path, chosen before anything compiles
 
 NO_BF16_SCRIPT = """

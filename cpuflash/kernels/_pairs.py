@@ -27,8 +27,9 @@ from numba.extending import overload
 
 from .. import _simd
 from .._jit import HELPER_OPTIONS, jit
-from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_pairs, \
-    vload_rows_bits, vstore_bits, vstore_interleaved, vstore_pairs, vsub, vtranspose, vzeros
+from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_bits, \
+    vload_pairs, vload_rows_bits, vstore_bits, vstore_interleaved, vstore_pairs, vsub, \
+    vtranspose, vzeros
 from ._convert import BFLOAT16, row_offset, vector_rows
 from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
 
@@ -63,6 +64,59 @@ def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
     return pairs
 
 
+def backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
+    """The backward's ``(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs,
+    ds_pairs)`` of one thread: Q and dO rows (for S and dP), K^T and V^T panels, K as pairs of
+    rows (for dQ += dS K) and dS rounded; uint16 and zeroed for bfloat16 inputs where
+    `_simd.BF16_DOT`, else empty in `like`'s dtype (as `pair_buffers`)."""
+
+
+@overload(backward_pair_buffers, jit_options=HELPER_OPTIONS)
+def _backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
+    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+        def empty(block_q, block_k, d, d_v, q, like, half_kind):
+            return (np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype),
+                    np.zeros((0, 0, 0), like.dtype), np.zeros((0, 0, 0), like.dtype),
+                    np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
+        return empty
+    width = 2 * _simd.LANES_F32
+
+    def pairs(block_q, block_k, d, d_v, q, like, half_kind):
+        if half_kind != BFLOAT16:
+            block_q = block_k = d = d_v = 0
+        keys, dp, dvp = round_up(block_k, width), (d + 1) // 2, (d_v + 1) // 2
+        u2 = np.uint16
+        return (np.zeros((block_q, 2 * dp), u2), np.zeros((block_q, 2 * dvp), u2),
+                np.zeros((keys // width, dp, 2 * width), u2),
+                np.zeros((keys // width, dvp, 2 * width), u2),
+                np.zeros((keys // 2, 2 * round_up(d, width)), u2), np.zeros((block_q, keys), u2))
+    return pairs
+
+
+def pack_panel_pairs(k, b, h, start, cols, k_pairs):
+    """Rows start .. start + cols of `k` as panels of pairs (K^T, or V^T for dP = dO V^T), the
+    lanes past `cols` 0 (a no-op for buffers that are not uint16)."""
+
+
+@overload(pack_panel_pairs, jit_options=HELPER_OPTIONS)
+def _pack_panel_pairs(k, b, h, start, cols, k_pairs):
+    if not _uses_pairs(k_pairs):
+        return lambda k, b, h, start, cols, k_pairs: None
+    return lambda k, b, h, start, cols, k_pairs: _pack_keys(k, b, h, start, cols, k_pairs)
+
+
+def pack_row_pairs(v, b, h, start, cols, v_pairs):
+    """Rows start .. start + cols of `v` as pairs of rows (V for P V, or K for dS K), the odd
+    row of the last pair 0 (a no-op for buffers that are not uint16)."""
+
+
+@overload(pack_row_pairs, jit_options=HELPER_OPTIONS)
+def _pack_row_pairs(v, b, h, start, cols, v_pairs):
+    if not _uses_pairs(v_pairs):
+        return lambda v, b, h, start, cols, v_pairs: None
+    return lambda v, b, h, start, cols, v_pairs: _pack_values(v, b, h, start, cols, v_pairs)
+
+
 def pack_query_pairs(q, b, h, start, rows, q_pairs):
     """q_pairs[r, :D] = the bits of q[b, h, start + r, :] (the pad of an odd D stays 0)."""
 
@@ -73,6 +127,14 @@ def _pack_query_pairs(q, b, h, start, rows, q_pairs):
         return lambda q, b, h, start, rows, q_pairs: None
 
     def pack(q, b, h, start, rows, q_pairs):
+        n = 2 * _simd.LANES_F32
+        if vector_rows(q, n):  # whole vectors
+            base, stride = row_offset(q, b, h, start), q.strides[2] // q.itemsize
+            qw = q_pairs.shape[1]
+            for r in range(rows):
+                for x in range(0, q.shape[3], n):
+                    vstore_bits(q_pairs, r * qw + x, vload_bits(q, base + r * stride + x))
+            return
         for r in range(rows):
             for x in range(q.shape[3]):
                 q_pairs[r, x] = q[b, h, start + r, x]

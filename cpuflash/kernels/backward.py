@@ -48,7 +48,7 @@ from numba import prange, types
 
 from .._jit import Kernel, array, jit
 from .._simd import vfma, vhsum, vload, vzeros
-from . import _steps
+from . import _pairs, _steps
 
 
 def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
@@ -82,6 +82,11 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
         dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
         k_rows = _rows_buffer(block_k if fused else 0, d, lse)
+        # bfloat16 on AVX512-BF16: S, dP and dQ as bfloat16 dot products (`_pairs`); dV and dK
+        # stay float32 products of the widened tiles. Else empty.
+        q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
+            _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+        pairs = q_pairs.shape[0] > 0
         lse_rows = np.empty(block_q, dtype=cdtype)
         delta_rows = np.empty(block_q, dtype=cdtype)
         ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
@@ -107,6 +112,11 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                 _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
                 if fused:
                     _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
+                if pairs:
+                    _pairs.pack_panel_pairs(k, batch_k, hk, k_start + k0, cols, k_panel_pairs)
+                    _pairs.pack_panel_pairs(v, batch_k, hk, k_start + k0, cols, v_panel_pairs)
+                    if fused:
+                        _pairs.pack_row_pairs(k, batch_k, hk, k_start + k0, cols, k_row_pairs)
                 dk_acc[:cols, :] = 0.0
                 dv_acc[:cols, :] = 0.0
                 keys_finite = (_steps.finite_panels(k_panels, cols)
@@ -125,9 +135,18 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         do_rows[:rows, :d_v] = do_tile[:rows]
 
                         # -- S: the forward's score pipeline; dP = dO V^T
-                        _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
-                                          (seq, h, q0, k0, diag0), band, mods)
-                        _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                        at = (seq, h, q0, k0, diag0)
+                        if pairs:
+                            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+                            _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows,
+                                                    do_pairs)
+                            _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs,
+                                         scores, dp, chain, rows, cols, at, band, mods)
+                        else:
+                            _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at,
+                                              band, mods)
+                            _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off,
+                                           hi_off)
 
                         # -- P = exp(S - lse), dS = P (dP - delta)
                         _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
@@ -151,7 +170,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         if fused:
                             row0 = _acc_row(dq, batch_q, h, q_start + q0)
                             _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
-                                      lo_off, hi_off, exact, mask, mask_at)
+                                      lo_off, hi_off, exact, mask, mask_at, pairs, ds_pairs,
+                                      k_row_pairs)
 
                 # -- each row of dK and dV written once
                 _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
@@ -170,6 +190,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
             block_q, block_k, d, d_v, lse)
         k_rows, dq_rows = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
+        q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
+            _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+        pairs = q_pairs.shape[0] > 0
         lse_rows = np.empty(block_q, dtype=cdtype)
         delta_rows = np.empty(block_q, dtype=cdtype)
         ones = np.ones(block_q, dtype=cdtype)
@@ -186,6 +209,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
 
             _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
                              do_tile, lse_rows, delta_rows, half_kind)
+            if pairs:
+                _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+                _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows, do_pairs)
             dq_rows[:rows, :] = 0.0
             rows_finite = _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows)
 
@@ -200,9 +226,17 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                 _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
 
                 # -- S and dP, as in the key pass
-                _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols,
-                                  (seq, h, q0, kb, diag0), band, mods)
-                _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                at = (seq, h, q0, kb, diag0)
+                if pairs:
+                    _pairs.pack_panel_pairs(k, batch_k, hk, k_start + kb, cols, k_panel_pairs)
+                    _pairs.pack_panel_pairs(v, batch_k, hk, k_start + kb, cols, v_panel_pairs)
+                    _pairs.pack_row_pairs(k, batch_k, hk, k_start + kb, cols, k_row_pairs)
+                    _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp,
+                                 chain, rows, cols, at, band, mods)
+                else:
+                    _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band,
+                                      mods)
+                    _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
 
                 # -- P and dS
                 _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
@@ -213,7 +247,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                     rows_finite and _steps.finite_panels(k_panels, cols)
                     and _steps.finite_panels(v_panels, cols))
                 _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask,
-                          (mask_map[seq], h, q0, kb))
+                          (mask_map[seq], h, q0, kb), pairs, ds_pairs, k_row_pairs)
 
             _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
 
@@ -228,14 +262,27 @@ def _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows):
 
 
 @jit
-def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask, mask_at):
+def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask, mask_at,
+              pairs, ds_pairs, k_row_pairs):
     """dQ += dS K: `pv_tile`, or with `exact`, `pv_tile_exact` (over the keys each row sees;
-    the same bits for finite rows)."""
+    the same bits for finite rows); with `pairs`, `_pairs.pv_tile_pairs` (dS rounded to
+    bfloat16, as flash-attn does) unless `exact`."""
     if exact:
         _steps.pv_tile_exact(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, mask,
                              mask_at)
+    elif pairs:
+        _pairs.pv_tile_pairs(ds, ds_pairs, k_row_pairs, dq_rows, ones, rows, cols, lo_off,
+                             hi_off)
     else:
         _steps.pv_tile(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
+
+
+@jit
+def _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp, chain, rows, cols,
+                 at, band, mods):
+    """S (the score pipeline) and dP = dO V^T of a query tile as bfloat16 dot products."""
+    _steps.score_tile(q_pairs, k_panel_pairs, scores, chain, rows, cols, at, band, mods)
+    _steps.any_qk_tile(do_pairs, v_panel_pairs, dp, rows, cols, 1.0, band[1], band[2])
 
 
 @jit
