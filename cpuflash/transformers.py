@@ -44,8 +44,9 @@ __all__ = ["register"]
 
 NAME = "cpufa"
 
-# The attribute that marks a mask built by `attention_mask_function`: (causal, window, padded)
-_PATTERN = "_cpufa_pattern"
+# The attribute that marks a mask built by `attention_mask_function`; it holds the keywords
+# (causal, window, mask) that give cpuflash the same visibility
+_PATTERN = "_cpufa_keywords"
 
 # Up to this many query rows per key/value head without a mask, a call goes to the split-KV
 # decode kernel of `attention_with_kvcache`: one decoding step (Nq = 1) of any GQA group.
@@ -65,9 +66,11 @@ def _bfloat16():
 
 def _numpy(t):
     """A numpy view of the CPU tensor `t`; bfloat16 bits are read as ml_dtypes' bfloat16."""
+    if t.requires_grad:  # only parameters (sinks) get here with grad mode off
+        t = t.detach()
     if t.dtype == torch.bfloat16:
-        return t.detach().view(torch.int16).numpy().view(_bfloat16())
-    return t.detach().numpy()
+        return t.view(torch.int16).numpy().view(_bfloat16())
+    return t.numpy()
 
 
 def _torch(a):
@@ -86,15 +89,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     Parameters
     ----------
     module : torch.nn.Module
-        The attention layer (its ``is_causal`` and ``training`` are read).
+        The attention layer (its ``is_causal`` is read when no mask is given).
     query : (B, Hq, Nq, D) tensor
     key : (B, Hk, Nk, D) tensor
         The KV cache included; ``Hq % Hk == 0`` (grouped heads are never repeated).
     value : (B, Hk, Nk, Dv) tensor
     attention_mask : tensor or None
         What the mask function registered with it returned (a tagged padding mask, a dense
-        bool mask, or None), or a 4-D mask the caller made: bool (True = take part) or float
-        (added to the scores, as eager adds it).
+        bool mask), or a 4-D mask the caller made: bool (True = take part) or float (added to
+        the scores, as eager adds it); None: the causal flag decides, as for sdpa.
     dropout : float
         Must be 0 (cpuflash has no dropout); models pass 0 outside training.
     scaling : float, optional
@@ -117,67 +120,60 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"dropout={dropout} (training with attention_dropout > 0): set the "
                          f"config's attention dropout to 0, or train with "
                          f"attn_implementation=\"eager\" or \"sdpa\"")
-    sinks = s_aux if s_aux is not None else kwargs.get("sinks")
     keywords = _visibility(module, query, key, attention_mask, kwargs.get("is_causal"))
-    position_bias = kwargs.get("position_bias")
-    if position_bias is not None:
-        keywords["bias"] = position_bias if "bias" not in keywords else \
-            keywords["bias"] + position_bias
     if scaling is not None:
-        keywords["scale"] = float(scaling)
+        keywords["scale"] = scaling
     if softcap:
-        keywords["softcap"] = float(softcap)
+        keywords["softcap"] = softcap
+    position_bias = kwargs.get("position_bias")
+    if position_bias is not None:  # T5-style relative positions: added like a float mask
+        bias = keywords.get("bias")
+        keywords["bias"] = position_bias if bias is None else bias + position_bias
+    sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()  # cpuflash's sinks are float32, whatever the model's dtype
 
-    if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (query, key, value, sinks)):
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                    or value.requires_grad
+                                    or (sinks is not None and sinks.requires_grad)):
         return _differentiable(query, key, value, sinks, keywords), None
 
     if keywords.pop("crop_keys", False):
         key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
-    q, k, v = _numpy(query), _numpy(key), _numpy(value)
     if sinks is not None:
-        keywords["sinks"] = _numpy(sinks.float()) if sinks.dtype != torch.float32 \
-            else _numpy(sinks)
-    for name in ("mask", "bias"):
-        if name in keywords:
-            keywords[name] = _numpy(keywords[name])
-    batch, heads, n_q = query.shape[:3]
-    if ("mask" not in keywords and "bias" not in keywords
-            and n_q * (heads // key.shape[1]) <= _DECODE_ROWS):
+        keywords["sinks"] = _numpy(sinks)
+    bias = keywords.get("bias")
+    if bias is not None:
+        keywords["bias"] = _numpy(bias)
+    # bshd views of the bhsd tensors: the output comes out in the (B, Nq, Hq, Dv) layout
+    # the model reshapes, so no transposed copy follows
+    q, k, v = (_numpy(t).swapaxes(1, 2) for t in (query, key, value))
+    if ("mask" not in keywords and bias is None
+            and q.shape[1] * (q.shape[2] // k.shape[2]) <= _DECODE_ROWS):
         # a decoding step: the split-KV kernel spreads the keys over the cores
-        out = api.attention_with_kvcache(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2),
-                                         causal=keywords.pop("causal", False), layout="bshd",
-                                         **keywords)
-        return _torch(out), None
-    out = query.new_empty((batch, n_q, heads, value.shape[-1]))
-    api.attention(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), layout="bshd",
-                  out=_numpy(out), **keywords)
+        keywords.setdefault("causal", False)
+        return _torch(api.attention_with_kvcache(q, k, v, layout="bshd", **keywords)), None
+    out = query.new_empty((q.shape[0], q.shape[1], q.shape[2], value.shape[-1]))
+    api.attention(q, k, v, layout="bshd", out=_numpy(out), **keywords)
     return out, None
 
 
 def _visibility(module, query, key, mask, is_causal):
     """The keywords (causal, window, mask, bias) that say which keys each query sees."""
     if mask is None:
-        # nothing from the mask function: the model's causal flag decides, as sdpa reads it
+        # nothing from the mask function: the causal flag decides, read as sdpa reads it
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         n_q, n_k = query.shape[2], key.shape[2]
-        keywords = {}
-        if causal and n_q > 1:
-            keywords["causal"] = True
-            if n_k > n_q:  # sdpa aligns top-left: the first Nq keys (an empty static cache)
-                keywords["crop_keys"] = True
-        return keywords
-    pattern = getattr(mask, _PATTERN, None)
-    if pattern is not None:
-        causal, window, padded = pattern
-        keywords = {"causal": causal} if causal else {}
-        if window is not None:
-            keywords["window"] = window
-        if padded:
-            keywords["mask"] = mask
-        return keywords
+        if not causal or n_q == 1:
+            return {}
+        if n_k > n_q:  # sdpa aligns top-left: the first Nq keys (an empty static cache)
+            return {"causal": True, "crop_keys": True}
+        return {"causal": True}
+    tagged = getattr(mask, _PATTERN, None)
+    if tagged is not None:
+        return dict(tagged)
     if mask.dtype == torch.bool:
-        return {"mask": mask}
+        return {"mask": _numpy(mask)}
     return {"bias": mask.to(query.dtype) if mask.dtype != query.dtype else mask}
 
 
@@ -188,7 +184,9 @@ def _differentiable(query, key, value, sinks, keywords):
     if keywords.pop("crop_keys", False):
         key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
     if sinks is not None:
-        keywords["sinks"] = sinks.float() if sinks.dtype != torch.float32 else sinks
+        keywords["sinks"] = sinks
+    if "mask" in keywords:  # the numpy view of a bool tensor, as the mask function made it
+        keywords["mask"] = torch.from_numpy(keywords["mask"])
     out = cpuflash_torch.attention(query.transpose(1, 2), key.transpose(1, 2),
                                    value.transpose(1, 2), layout="bshd", **keywords)
     return out.contiguous()
@@ -239,10 +237,11 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                             **kwargs):
     """transformers' mask interface for cpuflash: the padding alone where the pattern is plain.
 
-    Returns a bool tensor tagged with ``(causal, window, padded)``: ``(B, 1, 1, Nk)``, a view
-    of `attention_mask`, when some key is padding, else a one-element placeholder; or, for any
-    other mask, the dense bool mask sdpa would get (never None, so that a None reaching the
-    attention function always means that the model made no mask).
+    Returns a bool tensor tagged with cpuflash's keywords for it (causal, window, and the mask
+    when some key is padding): ``(B, 1, 1, Nk)``, a view of `attention_mask`, when some key is
+    padding, else a placeholder of that shape; or, for any other mask, the dense bool mask sdpa
+    would get (never None, so that a None reaching the attention function always means that
+    the model made no mask).
     """
     from transformers import masking_utils as mu
 
@@ -269,20 +268,25 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
 
 
 def _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal, window):
-    """The tagged (B, 1, 1, Nk) view of the 2-D padding mask, or a placeholder if none."""
-    padded = False
+    """The (B, 1, 1, Nk) view of the 2-D padding mask, or a placeholder if nothing is padded,
+    tagged with the keywords that give cpuflash the whole mask."""
+    keywords = {"causal": True} if causal else {}
+    if window is not None:
+        keywords["window"] = window
     if attention_mask is not None:
         keys = attention_mask[:, kv_offset:kv_offset + kv_length]
         if keys.shape[-1] < kv_length:  # keys past the mask's end are padding (as sdpa pads)
             keys = torch.nn.functional.pad(keys, (0, kv_length - keys.shape[-1]))
         if keys.dtype != torch.bool:
             keys = keys.bool()
-        padded = not bool(keys.all())
-    if padded:
-        mask = keys[:, None, None, :]
-    else:
-        mask = torch.ones((), dtype=torch.bool).expand(batch_size, 1, 1, kv_length)
-    setattr(mask, _PATTERN, (causal, window, padded))
+        if not keys.all():
+            mask = keys[:, None, None, :]
+            # converted once here, read by every layer
+            keywords["mask"] = _numpy(mask)
+            setattr(mask, _PATTERN, keywords)
+            return mask
+    mask = torch.ones((), dtype=torch.bool).expand(batch_size, 1, 1, kv_length)
+    setattr(mask, _PATTERN, keywords)
     return mask
 
 

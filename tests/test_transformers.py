@@ -100,7 +100,8 @@ def plain_functions():
 
 def dense_from_tag(mask, batch, n_q, n_k):
     """The (B, 1, Nq, Nk) visibility that cpuflash gives the tagged mask (API.md, step 5)."""
-    causal, window, padded = getattr(mask, cft._PATTERN)
+    keywords = getattr(mask, cft._PATTERN)
+    causal, window = keywords.get("causal", False), keywords.get("window")
     i = torch.arange(n_q)[:, None] + n_k - n_q  # each query row's diagonal key
     j = torch.arange(n_k)[None, :]
     visible = torch.ones(n_q, n_k, dtype=torch.bool)
@@ -113,7 +114,7 @@ def dense_from_tag(mask, batch, n_q, n_k):
         if right >= 0 and not causal:
             visible &= j <= i + right
     visible = visible.expand(batch, 1, n_q, n_k)
-    return visible & mask if padded else visible
+    return visible & torch.from_numpy(keywords["mask"]) if "mask" in keywords else visible
 
 
 LENGTHS = {  # q_length, kv_length, q_offset, kv_offset
@@ -140,7 +141,7 @@ def test_plain_masks_become_tagged_padding(pattern, lengths, padding):
                      attention_mask=attention_mask)
     got = cft.attention_mask_function(**arguments, allow_is_causal_skip=True,
                                       allow_is_bidirectional_skip=True)
-    causal, _, padded = getattr(got, cft._PATTERN)
+    padded = "mask" in getattr(got, cft._PATTERN)
     assert padded == (padding == "left")
     assert got.shape == (batch, 1, 1, n_k)  # never expanded over the queries
     if padded:  # a view of the model's 2-D mask, not a copy
