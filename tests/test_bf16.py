@@ -210,7 +210,7 @@ def test_kvcache_chunked_prefill(rng):
     check_kvcache(out, lse, q, *written, seqlens + 40, causal=True, plain=bf16_dot_reference)
 
 
-# -- the backward: S, dP and dQ as bfloat16 dot products (dS rounded), dK and dV in float32
+# -- the backward: its five products as bfloat16 dot products (P and dS rounded)
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_backward_within_rule_and_schemes_agree(rng, monkeypatch, fused):

@@ -28,8 +28,8 @@ from numba.extending import overload
 from .. import _simd
 from .._jit import HELPER_OPTIONS, jit
 from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_bits, \
-    vload_pairs, vload_rows_bits, vstore_bits, vstore_interleaved, vstore_pairs, vsub, \
-    vtranspose, vzeros
+    vload_pairs, vload_rows, vload_rows_bits, vstore, vstore_bits, vstore_interleaved, \
+    vstore_pairs, vsub, vtranspose, vzeros
 from ._convert import BFLOAT16, row_offset, vector_rows
 from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
 
@@ -91,6 +91,74 @@ def _backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
                 np.zeros((keys // width, dvp, 2 * width), u2),
                 np.zeros((keys // 2, 2 * round_up(d, width)), u2), np.zeros((block_q, keys), u2))
     return pairs
+
+
+def transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
+    """The backward's ``(q_row_pairs, do_row_pairs, transposed, transposed_pairs)`` for dK +=
+    dS^T Q and dV += P^T dO: Q and dO as pairs of query rows, and a float32 tile with its
+    bfloat16 copy for P^T or dS^T, ``(keys, block_q rounded up to two vectors)``; uint16 (the
+    copy) and zeroed for bfloat16 where `_simd.BF16_DOT`, else empty in `like`'s dtype."""
+
+
+@overload(transposed_pair_buffers, jit_options=HELPER_OPTIONS)
+def _transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
+    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+        def empty(block_q, block_k, d, d_v, q, like, half_kind):
+            return (np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype),
+                    np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
+        return empty
+    width = 2 * _simd.LANES_F32
+
+    def pairs(block_q, block_k, d, d_v, q, like, half_kind):
+        if half_kind != BFLOAT16:
+            block_q = block_k = d = d_v = 0
+        keys, rows = round_up(block_k, width), round_up(block_q, width)
+        return (np.zeros((rows // 2, 2 * round_up(d, width)), np.uint16),
+                np.zeros((rows // 2, 2 * round_up(d_v, width)), np.uint16),
+                np.zeros((keys, rows), np.float32), np.zeros((keys, rows), np.uint16))
+    return pairs
+
+
+def tn_tile_pairs(a, transposed, transposed_pairs, b_pairs, acc, ones, rows, cols, lo_off,
+                  hi_off):
+    """`_steps.tn_tile` on pairs: acc[c] += sum_r a[r, c] * b[r] for the tile's columns c <
+    cols, with `a` (P or dS) transposed into `transposed`, rounded to bfloat16, and `b` (dO or
+    Q) as pairs of rows: `pv_tile_pairs` of the transposed tile, whose rows are keys (column c
+    is seen by the rows c - hi_off .. c - lo_off). `ones` (rescale factors of 1) has at least
+    `cols` entries. A no-op for buffers that are not uint16."""
+
+
+@overload(tn_tile_pairs, jit_options=HELPER_OPTIONS)
+def _tn_tile_pairs(a, transposed, transposed_pairs, b_pairs, acc, ones, rows, cols, lo_off,
+                   hi_off):
+    if not _uses_pairs(b_pairs):
+        return lambda a, transposed, transposed_pairs, b_pairs, acc, ones, rows, cols, lo_off, \
+            hi_off: None
+
+    def tn(a, transposed, transposed_pairs, b_pairs, acc, ones, rows, cols, lo_off, hi_off):
+        _transpose(a, transposed, rows, cols)
+        pv_tile_pairs(transposed, transposed_pairs, b_pairs, acc, ones, cols, rows, -hi_off,
+                      -lo_off)
+    return tn
+
+
+@jit
+def _transpose(a, transposed, rows, cols):
+    """transposed[c, r] = a[r, c] for r < rows, c < cols (and some of the padding around),
+    `lanes` x `lanes` blocks in registers; element by element where a block would pass the
+    last row of `a`."""
+    n = _simd.LANES_F32
+    aw, tw = a.shape[1], transposed.shape[1]
+    for r0 in range(0, rows, n):
+        for c0 in range(0, cols, n):
+            if r0 + n <= a.shape[0]:
+                block = vtranspose(vload_rows(a, r0 * aw + c0, aw))
+                for j in range(n):
+                    vstore(transposed, (c0 + j) * tw + r0, block[j])
+            else:
+                for r in range(r0, rows):
+                    for c in range(c0, min(c0 + n, cols)):
+                        transposed[c, r] = a[r, c]
 
 
 def pack_panel_pairs(k, b, h, start, cols, k_pairs):

@@ -37,6 +37,11 @@ The tiles are laid out as the forward's (`_steps`): rows are query rows in both 
 score pipeline is the forward's steps in the forward's orientation, and the products that sum
 over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile transposed.
 
+bfloat16 inputs where the CPU has AVX512-BF16 (`_simd.BF16_DOT`): the five products are
+bfloat16 dot products with float32 accumulation (`_pairs`), P and dS rounded to bfloat16 before
+the products that take them (as flash-attn does on GPUs); dV and dK read P and dS transposed, so
+that the pairs run along the query rows. The exact steps for non-finite operands stay float32.
+
 Sequences and work items are described by the forward's tables (`_band.SEQ_*`,
 `_band.ITEM_*`); in the key pass an item's ``ITEM_HEAD`` is a kv head and ``ITEM_Q0`` the
 first key of its block (0 with `fused`).
@@ -82,14 +87,17 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
         dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
         k_rows = _rows_buffer(block_k if fused else 0, d, lse)
-        # bfloat16 on AVX512-BF16: S, dP and dQ as bfloat16 dot products (`_pairs`); dV and dK
-        # stay float32 products of the widened tiles. Else empty.
+        # bfloat16 on AVX512-BF16: the products as bfloat16 dot products (`_pairs`), with the
+        # widened tiles kept for the exact steps and the finiteness checks. Else empty.
         q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
             _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+        q_row_pairs, do_row_pairs, transposed, transposed_pairs = \
+            _pairs.transposed_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
         pairs = q_pairs.shape[0] > 0
         lse_rows = np.empty(block_q, dtype=cdtype)
         delta_rows = np.empty(block_q, dtype=cdtype)
-        ones = np.ones(block_q, dtype=cdtype)  # `pv_tile`'s rescale factors: none here
+        # `pv_tile`'s rescale factors: none here (for a tile's rows, or its keys with pairs)
+        ones = np.ones(max(block_q, block_k), dtype=cdtype)
 
         for item in range(k_chunks[chunk], k_chunks[chunk + 1]):
             (seq, hk, k_first, batch_q, q_start, n_q,
@@ -164,6 +172,16 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                                                  hi_off, mask, mask_at)
                             _steps.tn_tile_exact(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off,
                                                  mask, mask_at)
+                        elif pairs:  # P and dS rounded to bfloat16, as flash-attn does
+                            _pairs.pack_row_pairs(q, batch_q, h, q_start + q0, rows,
+                                                  q_row_pairs)
+                            _pairs.pack_row_pairs(dout, batch_q, h, q_start + q0, rows,
+                                                  do_row_pairs)
+                            _pairs.tn_tile_pairs(scores, transposed, transposed_pairs,
+                                                 do_row_pairs, dv_acc, ones, rows, cols, lo_off,
+                                                 hi_off)
+                            _pairs.tn_tile_pairs(dp, transposed, transposed_pairs, q_row_pairs,
+                                                 dk_acc, ones, rows, cols, lo_off, hi_off)
                         else:
                             _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
                             _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
