@@ -115,6 +115,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     weights : None
         cpuflash never forms the attention weights.
     """
+    if query.device.type != "cpu":
+        raise ValueError(f"cpuflash runs on the CPU only, but the model's tensors are on "
+                         f"{query.device}: use attn_implementation=\"sdpa\" there")
     if dropout:
         raise ValueError(f"cpuflash has no attention dropout, but the model asks for "
                          f"dropout={dropout} (training with attention_dropout > 0): set the "
@@ -172,6 +175,8 @@ def _visibility(module, query, key, mask, is_causal):
     tagged = getattr(mask, _PATTERN, None)
     if tagged is not None:
         return dict(tagged)
+    if mask.shape[-1] > key.shape[2]:  # older models' masks span a static cache: as eager
+        mask = mask[..., :key.shape[2]]
     if mask.dtype == torch.bool:
         return {"mask": _numpy(mask)}
     return {"bias": mask.to(query.dtype) if mask.dtype != query.dtype else mask}
@@ -312,8 +317,16 @@ def register(name=NAME):
     if name in ("eager", "sdpa", "flex_attention") or name.startswith("paged"):
         raise ValueError(f"`name` {name!r} is one of transformers' own implementations; "
                          f"choose another (the default is {NAME!r})")
-    transformers.AttentionInterface.register(name, attention_forward)
-    from transformers.masking_utils import AttentionMaskInterface
+    interface = getattr(transformers, "AttentionInterface", None)
+    if interface is not None:
+        interface.register(name, attention_forward)
+    else:  # transformers 4.48-4.49: the registry is a plain dict
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        ALL_ATTENTION_FUNCTIONS[name] = attention_forward
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # before 4.53 models build eager's float masks, read here as a bias
+        return name
     AttentionMaskInterface.register(name, attention_mask_function)
     return name
