@@ -1,12 +1,14 @@
 """bfloat16 against float32, side by side in one process (interleaved, best of N, same threads).
 
-    python bench/bf16_versus_float32.py [--repeats 5] [--quick]
+    python bench/bf16_versus_float32.py [--repeats 5] [--quick] [--backward]
 
 For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (the AVX512-BF16 dot
 products where the CPU has them, else widened to float32: the line `bfloat16:` of
 `python -m cpuflash info` says which), and torch's `scaled_dot_product_attention` on bfloat16
 tensors. Prints GFLOP/s (4 * B * H * visible pairs * D per call) and the ratios. The bfloat16
 output is checked against the float32 one first (a loose bound: bfloat16 inputs and P).
+With `--backward`, also cpuflash's backward (`attention_backward`) on float32 against bfloat16,
+at N/2 (its own table).
 """
 
 import argparse
@@ -50,10 +52,35 @@ def calls(batch, heads, n, d, causal, rng):
             "torch bfloat16": sdpa}
 
 
+def backward_calls(batch, heads, n, d, causal, rng):
+    """The float32 and the bfloat16 backward of one shape."""
+    x32 = [rng.standard_normal((batch, heads, n, d), dtype=np.float32) for _ in range(4)]
+    x16 = [x.astype(ml_dtypes.bfloat16) for x in x32]
+    timed = {}
+    for name, (q, k, v, dout) in (("float32", x32), ("bfloat16", x16)):
+        out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+        timed[name] = (lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse:
+                       cpuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
+    return timed
+
+
+def best_of(timed, repeats):
+    """Best seconds of each call over `repeats` interleaved rounds."""
+    best = {name: float("inf") for name in timed}
+    for _ in range(repeats):
+        for name, call in timed.items():
+            runner.settle(call, cheap=False)  # the other library's threads stop spinning
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="two small shapes")
+    parser.add_argument("--backward", action="store_true", help="the backward too")
     args = parser.parse_args(argv)
     threads = runner.match_torch_threads()
     path = "vdpbf16ps" if _simd.BF16_DOT else "widened to float32"
@@ -65,18 +92,21 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for batch, heads, n, d, causal in QUICK if args.quick else CASES:
         timed = calls(batch, heads, n, d, causal, rng)
-        best = {name: float("inf") for name in timed}
-        for _ in range(args.repeats):
-            for name, call in timed.items():
-                runner.settle(call, cheap=False)  # the other library's threads stop spinning
-                start = time.perf_counter()
-                call()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = best_of(timed, args.repeats)
         work = runner.flops(batch, heads, n, n, d, causal) / 1e9
         f32, b16, tb16 = (work / best[name] for name in timed)
         label = f"B{batch} H{heads} N{n} D{d}{' causal' if causal else ''}"
         print(f"| {label} | {f32:.0f} | {b16:.0f} | {tb16:.0f} | {b16 / f32:.2f}x "
               f"| {b16 / tb16:.2f}x |", flush=True)
+    if not args.backward:
+        return
+    print("\n| backward | cpuflash fp32 s | cpuflash bf16 s | bf16 speed / fp32 |")
+    print("| --- | --- | --- | --- |")
+    for batch, heads, n, d, causal in QUICK if args.quick else CASES:
+        best = best_of(backward_calls(batch, heads, n // 2, d, causal, rng), args.repeats)
+        label = f"B{batch} H{heads} N{n // 2} D{d}{' causal' if causal else ''}"
+        print(f"| {label} | {best['float32']:.3f} | {best['bfloat16']:.3f} "
+              f"| {best['float32'] / best['bfloat16']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
