@@ -82,11 +82,10 @@ def info_lines():
                                        for level, name in _CACHE_NAMES.items() if level in caches)
         + f" (from {machine['cache_source']})",
         f"vector width:   {_simd.LANES_F32} float32 lanes ({_simd.LANES_F32 * 32}-bit)",
-        "bfloat16:       " + ("AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and "
-                             "softmax, P (and the backward's dS) rounded to bfloat16; decode: "
-                             "widened"
-                             if _simd.BF16_DOT else
-                             "widened to float32 (the compile target has no AVX512-BF16)"),
+        "bfloat16:       " + (
+            "AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and softmax, P (and "
+            "the backward's dS) rounded to bfloat16; decode: widened" if _simd.BF16_DOT else
+            "widened to float32 (the compile target has no AVX512-BF16)"),
         "tiles (float32, cpuflash.choose_tiles; L1/L2 bytes of the tiling model):",
     ]
     for head_dim in (64, 128, 256):

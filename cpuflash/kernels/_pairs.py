@@ -562,4 +562,3 @@ def _pv_pairs1(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
         a0 = vdot_pairs(a0, s, vload_pairs(v_pairs, c * vw + 2 * x0))
         a1 = vdot_pairs(a1, s, vload_pairs(v_pairs, c * vw + 2 * x0 + 2 * n))
     _rescale_add(acc, r * acc.shape[1] + x0, alpha[r], a0, a1)
-
