@@ -16,11 +16,13 @@ query ``(B, Hq, Nq, D)`` and key/value ``(B, Hk, Nk, D)`` (the KV cache included
 replaces the dense ``(B, 1, Nq, Nk)`` mask with what cpuflash can apply without one, whenever
 the model's mask is one of transformers' plain patterns (causal, sliding-window causal,
 bidirectional, bidirectional window) and the keys end where the queries end (every dynamic
-cache does): a tensor tagged with the pattern that holds only the padding, ``(B, 1, 1, Nk)``, a
-view of the model's 2-D attention mask, or nothing at all when nothing is padded. Any other
-mask (packed sequences, image-token overlays, static caches, masks a model asks to be
-materialized) is built by transformers as for sdpa and applied as it is, so the results are
-those of ``attn_implementation="eager"`` in every case, and fast in the common ones.
+cache does): a tensor tagged with cpuflash's keywords for the pattern that holds only the
+padding, ``(B, 1, 1, Nk)``, a view of the model's 2-D attention mask (a placeholder of that shape
+when nothing is padded). Any other mask (packed sequences, image-token overlays, static caches,
+masks a model asks to be materialized) is built by transformers as for sdpa and applied as it
+is, so the results are those of ``attn_implementation="eager"`` in every case (but for query
+rows that see no key: 0 here, as in flash-attn), and fast in the common ones. Before
+transformers 4.53 (no mask registry) the models' own float masks are read as a bias.
 
 Under ``torch.no_grad()`` or ``torch.inference_mode()`` the tensors reach `cpuflash.attention`
 (or, for a decoding step without padding, `cpuflash.attention_with_kvcache`) as numpy views of
@@ -131,7 +133,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:  # T5-style relative positions: added like a float mask
         bias = keywords.get("bias")
-        keywords["bias"] = position_bias if bias is None else bias + position_bias
+        keywords["bias"] = _wide(position_bias) if bias is None else bias + position_bias
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()  # cpuflash's sinks are float32, whatever the model's dtype
@@ -179,7 +181,12 @@ def _visibility(module, query, key, mask, is_causal):
         mask = mask[..., :key.shape[2]]
     if mask.dtype == torch.bool:
         return {"mask": _numpy(mask)}
-    return {"bias": mask.to(query.dtype) if mask.dtype != query.dtype else mask}
+    return {"bias": _wide(mask)}
+
+
+def _wide(bias):
+    """A float bias as cpuflash adds it: float32 (float64 stays), whatever the model's dtype."""
+    return bias if bias.dtype in (torch.float32, torch.float64) else bias.float()
 
 
 def _differentiable(query, key, value, sinks, keywords):
