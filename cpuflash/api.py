@@ -213,15 +213,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     lse : (B, Hq, Nq) array, only with ``return_lse=True``
     """
     key = None
-    if k is None and v is None and block_table is None and alibi_slopes is None and sinks is None:
+    if (block_table is None and alibi_slopes is None and sinks is None
+            and (k is None) == (v is None)):
+        # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
         k_cache = _validate.as_array("k_cache", k_cache)
         v_cache = _validate.as_array("v_cache", v_cache)
+        if k is not None:
+            k, v = _validate.as_array("k", k), _validate.as_array("v", v)
         key = _decode_key("kvcache", q, k_cache, v_cache, cache_seqlens, causal, scale, window,
-                          softcap, layout, num_splits, return_lse)
+                          softcap, layout, num_splits, return_lse, k, v)
         setup = _plans.get(key)
         if setup is not None:
-            result = _decode_again(setup, q, k_cache, v_cache, cache_seqlens, return_lse)
+            result = _decode_again(setup, q, k_cache, v_cache, cache_seqlens, return_lse, k, v)
             if result is not None:
                 return result
     call = _validate.kvcache_args(
@@ -293,6 +297,7 @@ class _Decode:
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
         self.num_splits = call.num_splits
+        self.n_new = 0 if call.new_k is None else call.new_k.shape[2]  # keys written in
         self.plan_threads = plan_threads  # 0: numba's thread count at the call
         if self.block_table is None:  # `attention`: one page of all keys per batch entry
             self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
@@ -308,8 +313,15 @@ class _Decode:
 
 
 def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
-                num_splits, return_lse):
-    """The `_plans` key of a call with options of the common kinds, or None (the full path)."""
+                num_splits, return_lse, new_k=None, new_v=None):
+    """The `_plans` key of a call with options of the common kinds, or None (the full path).
+    `new_k`, `new_v`: the new keys and values of a KV-cache call, or None."""
+    if new_k is None:
+        new = None
+    elif new_k.__class__ is np.ndarray and new_v.__class__ is np.ndarray:
+        new = (new_k.shape, new_k.dtype, new_v.shape, new_v.dtype)
+    else:
+        return None
     if not (causal.__class__ is bool and return_lse.__class__ is bool
             and layout.__class__ is str and num_splits.__class__ is int
             and (scale is None or scale.__class__ is float or scale.__class__ is int)
@@ -326,28 +338,36 @@ def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, la
     else:
         return None
     return (kind, q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, causal, scale, window,
-            softcap, layout, num_splits, lengths)
+            softcap, layout, num_splits, lengths, new)
 
 
-def _decode_again(setup, q, k, v, cache_seqlens, return_lse):
+def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None):
     """A call whose key found `setup`: only the checks that can fail for the same key (values,
-    alignment), then the kernel. None when one fails: the full path then raises the error."""
+    alignment, a writable cache), then the new keys written in and the kernel. None when a
+    check fails: the full path then raises the error."""
     if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
         return None  # the full path copies them
+    if new_k is not None and not (k.flags.writeable and v.flags.writeable):
+        return None
+    room = setup.n_max - setup.n_new  # the largest valid length
     if cache_seqlens is None:
-        n_keys, n_k = setup.full_keys, setup.n_max
-    elif cache_seqlens.__class__ is int:
-        if not 0 <= cache_seqlens <= setup.n_max:
+        if setup.n_new:
             return None
-        n_keys, n_k = np.full(setup.batch, cache_seqlens, dtype=np.int64), cache_seqlens
+        starts, n_keys, n_k = None, setup.full_keys, setup.n_max
+    elif cache_seqlens.__class__ is int:
+        if not 0 <= cache_seqlens <= room:
+            return None
+        starts = [cache_seqlens] * setup.batch
+        n_k = cache_seqlens + setup.n_new
+        n_keys = np.full(setup.batch, n_k, dtype=np.int64)
     else:
         if cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (setup.batch,):
             return None
-        lengths = cache_seqlens.tolist()
-        n_k = max(lengths)
-        if min(lengths) < 0 or n_k > setup.n_max:
+        starts = cache_seqlens.tolist()
+        if min(starts) < 0 or max(starts) > room:
             return None
-        n_keys = cache_seqlens.astype(np.int64)
+        n_k = max(starts) + setup.n_new
+        n_keys = cache_seqlens.astype(np.int64) + setup.n_new
     if setup.layout == "bshd":
         q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         out_user = np.empty((setup.batch, setup.n_q, setup.n_heads, setup.head_dim_v),
@@ -356,6 +376,12 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse):
     else:
         out_user = out_bhsd = np.empty((setup.batch, setup.n_heads, setup.n_q,
                                         setup.head_dim_v), dtype=setup.dtype)
+    if new_k is not None:  # every check has passed: into each entry's rows after its length
+        if setup.layout == "bshd":
+            new_k, new_v = new_k.swapaxes(1, 2), new_v.swapaxes(1, 2)
+        for b, start in enumerate(starts):
+            k[b, :, start:start + setup.n_new] = new_k[b]
+            v[b, :, start:start + setup.n_new] = new_v[b]
     if setup.half_kind != _validate.NATIVE:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)

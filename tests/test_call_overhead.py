@@ -276,3 +276,70 @@ def test_the_compiled_merge_agrees_with_merge_states(rng, dtype):
     assert np.all(out[0, 0, 0] == 0) and lse[0, 0, 0] == -np.inf
     assert np.isnan(lse[0, 0, 2]) and np.isnan(out[0, 0, 2]).all()
     assert np.isfinite(out[0, 0, 1]).all()
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("lengths", ["array", "int"])
+def test_decoding_steps_with_new_keys_write_and_attend_as_the_full_path(rng, layout, lengths,
+                                                                       validations):
+    """flash-attn's decoding loop: each step writes one new key into a preallocated cache and
+    attends to it; the plan serves every step after the first."""
+    batch, n_max = 2, 40
+    q, k_cache, v_cache = decode_inputs(rng, batch=batch, n_keys=n_max)
+    new = rng.standard_normal((6, 2, batch, 3, 1, 64)).astype(np.float32)  # step, k/v, ...
+    start = np.array([5, 17], dtype=np.int32) if lengths == "array" else 11
+
+    def steps(k_cache, v_cache, fresh):
+        results = []
+        for step in range(6):
+            if fresh:
+                _plans.clear()
+            seqlens = start + step
+            args = [q, k_cache, v_cache, new[step, 0], new[step, 1]]
+            if layout == "bshd":
+                args = [np.swapaxes(x, 1, 2) for x in args]
+            results.append(cpuflash.attention_with_kvcache(
+                *args[:3], k=args[3], v=args[4], cache_seqlens=seqlens, layout=layout,
+                return_lse=True))
+        return results
+
+    caches = [x.copy() for x in (k_cache, v_cache)]
+    expected = steps(*caches, fresh=True)
+    assert validations["kvcache"] == 6
+    got_caches = [x.copy() for x in (k_cache, v_cache)]
+    _plans.clear()
+    got = steps(*got_caches, fresh=False)
+    assert validations["kvcache"] == 7  # one full check, then the plan
+    for step in range(6):
+        assert_same_bits(got[step], expected[step], f"step {step}")
+    assert_same_bits(tuple(got_caches), tuple(caches), "the caches")
+    written = np.broadcast_to(np.asarray(start) + 6, (batch,))
+    if layout == "bhsd":
+        out, lse = got[-1]
+        check_kvcache(out, lse, q, *got_caches, written, causal=True)
+
+
+def test_new_keys_errors_after_a_plan_leave_the_cache_unchanged(rng):
+    q, k_cache, v_cache = decode_inputs(rng, batch=2, n_keys=30)
+    k_new, v_new = rng.standard_normal((2, 2, 3, 1, 64)).astype(np.float32)
+    lengths = np.array([3, 4], dtype=np.int32)
+    for _ in range(2):
+        cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                        cache_seqlens=lengths)
+    before = k_cache.copy(), v_cache.copy()
+    with pytest.raises(ValueError, match=r"`cache_seqlens` must lie in \[0, 29\]"):
+        cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new,
+                                        cache_seqlens=np.array([3, 30]))
+    with pytest.raises(ValueError, match=r"`cache_seqlens` must lie in \[0, 29\]"):
+        cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new)
+    readonly_cache = k_cache.copy()
+    readonly_cache.flags.writeable = False
+    with pytest.raises(ValueError, match=r"`k_cache` is read-only"):
+        cpuflash.attention_with_kvcache(q, readonly_cache, v_cache, k=k_new, v=v_new,
+                                        cache_seqlens=lengths)
+    with pytest.raises(TypeError, match=r"`k` and `v` must have the dtype of the cache"):
+        cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new.astype(np.float64),
+                                        v=v_new, cache_seqlens=lengths)
+    with pytest.raises(ValueError, match=r"`k` and `v` must be given together"):
+        cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k_new, cache_seqlens=lengths)
+    assert_same_bits((k_cache, v_cache), before, "the caches after the errors")
