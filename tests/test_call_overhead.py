@@ -280,8 +280,8 @@ def test_the_compiled_merge_agrees_with_merge_states(rng, dtype):
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("lengths", ["array", "int"])
-def test_decoding_steps_with_new_keys_write_and_attend_as_the_full_path(rng, layout, lengths,
-                                                                       validations):
+def test_decoding_steps_with_new_keys_write_and_attend_as_the_full_path(
+        rng, layout, lengths, validations):
     """flash-attn's decoding loop: each step writes one new key into a preallocated cache and
     attends to it; the plan serves every step after the first."""
     batch, n_max = 2, 40
