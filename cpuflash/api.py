@@ -71,7 +71,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     float32 and float64 are computed natively; float16 and bfloat16 (``ml_dtypes.bfloat16``) are
     widened tile by tile and accumulated in float32. A query row that sees no key gets output 0
     and lse ``-inf`` (with `sinks`: lse ``sinks[h]``), as in flash-attn (torch 2.13 gives 0 too).
-    Results do not depend on the number of threads (``numba.set_num_threads``).
+    Results do not depend on the number of threads (``numba.set_num_threads``). A call with one
+    query row (a decoding step; no `bias`, `mask` or `tiles`) runs the streaming kernel of
+    `attention_with_kvcache`, and a repeated call with the same shapes and options skips the
+    argument checks that cannot fail for them.
 
     torch CPU tensors are read in place. This numpy-level call has no autograd (use
     `cpuflash.torch` for that): a tensor that requires grad is a TypeError while grad mode is on
@@ -211,6 +214,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     -------
     out : (B, Hq, Nq, Dv) array (``(B, Nq, Hq, Dv)`` with ``"bshd"``), the dtype of `q`
     lse : (B, Hq, Nq) array, only with ``return_lse=True``
+
+    Notes
+    -----
+    A decoding step calls this once per layer with the same shapes. A call with the shapes,
+    dtypes and options of an earlier valid one (and no `block_table`, `alibi_slopes` or `sinks`)
+    checks only what can fail for them (`cache_seqlens`, a writable cache) and goes on to the
+    kernel with what the earlier call worked out (`cpuflash._plans`).
     """
     key = None
     if (block_table is None and alibi_slopes is None and sinks is None
