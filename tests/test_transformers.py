@@ -413,6 +413,16 @@ def smollm2():
     return tokenizer, model
 
 
+@pytest.fixture
+def torch_one_thread():
+    """torch's small matrix products on one thread: on a loaded machine two OpenMP threads
+    wait milliseconds at each barrier for a descheduled one (a batch of 3 rows took minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def greedy_all(model, encoded, tokens=64):
     """Greedy generation with eager, sdpa and cpuflash: tokens and per-step logits."""
     results = {}
@@ -442,13 +452,13 @@ def check_generations(results):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_single_prompt(smollm2):
+def test_smollm2_greedy_single_prompt(smollm2, torch_one_thread):
     tokenizer, model = smollm2
     check_generations(greedy_all(model, tokenizer(PROMPTS[:1], return_tensors="pt")))
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_left_padded_batch(smollm2):
+def test_smollm2_greedy_left_padded_batch(smollm2, torch_one_thread):
     tokenizer, model = smollm2
     encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     assert not encoded["attention_mask"].bool().all()  # the prompts do differ in length
