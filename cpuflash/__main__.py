@@ -180,6 +180,14 @@ def _warmup(arguments):
             call()
             print(f"{name:9s} {what:18s} ready in {time.perf_counter() - start:5.1f} s",
                   flush=True)
+    # the merge of a decoding call's key splits runs in float32 or float64 (the compute dtype)
+    from cpuflash import _combine
+
+    for name in ("float32", "float64"):
+        start = time.perf_counter()
+        _combine._merge_kernel.specialize(np.dtype(name))
+        print(f"{name:9s} {'split merge':18s} ready in {time.perf_counter() - start:5.1f} s",
+              flush=True)
     path, how = jit_cache_location()
     print(f"kernel cache: {path or 'none (kernels compile in memory)'} ({how})")
     return 0

@@ -415,7 +415,7 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
     kernel = decode.specialize((q.dtype, setup.compute_dtype))
     kernel(q, k, v, setup.block_table, setup.page_rows, n_keys, plan.split_len, plan.block_k,
            setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
-           part_out, part_lse)
+           part_out, part_lse, numba.get_num_threads())
     if plan.n_splits > 1:
         out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
         _combine.merge_into(part_out, part_lse, out, lse)

@@ -58,8 +58,26 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
     assert "float32   attention" in warmup.stdout and "KV-cache decoding" in warmup.stdout
     assert str(tmp_path / "cache") in warmup.stdout, explain(warmup)
     assert notices(warmup.stderr) == [], "warmup says what it compiles itself"
+    assert "float32   split merge" in warmup.stdout and "float64   split merge" in warmup.stdout
     later = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
     assert later.returncode == 0 and later.stderr == "", explain(later)
+    split = run_python(SPLIT_DECODE, env=env, cwd=str(tmp_path), timeout=600)
+    assert split.returncode == 0 and "merged True" in split.stdout, explain(split)
+    assert split.stderr == "", explain(split)
+
+
+# a decoding call whose keys are cut into splits: the decode kernel, then the split merge, which
+# must come from the cache (a compile of it can take less than the notice's second)
+SPLIT_DECODE = """
+    import numpy as np, cpuflash
+    from cpuflash import _combine
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 600, 8)).astype(np.float32)
+    cpuflash.attention_with_kvcache(q, k, k, num_splits=3)
+    merge = _combine._merge_kernel._dispatchers[np.dtype(np.float32)]
+    print("merged", bool(merge.stats.cache_hits) and not merge.stats.cache_misses)
+"""
 
 
 @pytest.mark.slow

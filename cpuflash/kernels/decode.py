@@ -17,7 +17,10 @@ One work item is one (batch, kv head, split): split-KV (flash-decoding) cuts eac
 keys into `n_splits` ranges so that a single sequence with a single KV head still keeps every
 core busy. Each item writes its normalized partial output and its log-sum-exp; the partial
 results are then merged exactly (`cpuflash.merge_states`). For a given split count the result
-does not depend on the thread count.
+does not depend on the thread count. The items are dealt to the threads in equal chunks of
+consecutive items, each chunk with its buffers allocated once; a call with little work runs
+them all on the calling thread (`SERIAL_WORK`): at 64 cached keys the launch of the threads
+would cost more than the work, and a decoding step calls the kernel once per layer.
 
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
@@ -25,12 +28,13 @@ one page per batch entry. The micro-kernels walk a block as runs of consecutive 
 page it touches, so they compute each row's address instead of loading it from a table.
 """
 
+import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import STRICT_OPTIONS, Kernel, array, jit
+from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, Kernel, array, jit
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
@@ -40,6 +44,19 @@ from ._convert import load_widened, row_offset, vector_rows, widen
 AHEAD = 16
 CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
+# Work (keys x query rows x (D + Dv), summed over the call) up to which the items run on the
+# calling thread alone: a parallel launch costs about as much as 2^17 such multiply-adds of one
+# core (1-1.5 us), more than a second core saves on them. Each item's arithmetic is the same
+# either way, so the results do not depend on it.
+SERIAL_WORK = 1 << 17
+
+# The helpers below only read and write arrays that their caller holds (none allocates an
+# array or returns one), so they are compiled without reference counting: with it, the atomic
+# increments and decrements of the arrays passed from call to call took half the time of a
+# short item (64 keys). `_finish_rows` is `_steps.finish_rows` compiled so (the same code).
+borrowing = numba.njit(_nrt=False, **HELPER_OPTIONS)
+_finish_rows = numba.njit(_nrt=False, **dict(HELPER_OPTIONS, cache=False))(
+    _steps.finish_rows.py_func)
 
 
 def line_elements(arr):
@@ -56,7 +73,62 @@ def _line_elements(arr):
 
 
 def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
-            softcap, left, right, half_kind, alibi, part_out, part_lse):
+            softcap, left, right, half_kind, alibi, part_out, part_lse, n_threads):
+    # (`n_threads` is numba's thread count at the call: read in here, it would keep the kernel
+    # out of the on-disk cache)
+    n_items = q.shape[0] * k_cache.shape[1] * part_out.shape[0]
+    n_chunks = min(n_items, n_threads)
+    rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
+    if n_chunks <= 1 or _small(q, k_cache, v_cache, n_keys):
+        buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3], part_lse)
+        _decode_items(0, n_items, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
+                      split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
+                      part_out, part_lse)
+    else:
+        for chunk in prange(n_chunks):
+            buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3],
+                                    part_lse)
+            _decode_items(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks,
+                          buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
+                          split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
+                          part_out, part_lse)
+
+
+@borrowing
+def _small(q, k_cache, v_cache, n_keys):
+    """Whether the call's work is at most `SERIAL_WORK`."""
+    work = 0
+    for b in range(n_keys.shape[0]):
+        work += n_keys[b]
+    work *= q.shape[1] * q.shape[2] * (q.shape[3] + v_cache.shape[3])
+    return work <= SERIAL_WORK
+
+
+@jit
+def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
+    """The buffers of one thread's chunk of items: `_buffers`, the row states and the tables of
+    a block's key runs (`_block_runs`): its runs' block columns, key and value starts, and the
+    next block's columns and key starts."""
+    n = _steps.lanes(like)
+    direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
+    q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
+                                                   d, v_cache.shape[3], like)
+    row_max = np.empty(rows, dtype=like.dtype)
+    row_sum = np.empty(rows, dtype=like.dtype)
+    alpha = np.empty(rows, dtype=like.dtype)
+    max_runs = block_k // page_size + 2
+    runs = np.zeros((5, max_runs + 1), dtype=np.int64)
+    return (q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs)
+
+
+@borrowing
+def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
+                  split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi, part_out,
+                  part_lse):
+    """Work items first .. last - 1, with the buffers of `_item_buffers`. Each item starts
+    from the same state whatever ran before it (so its bits do not depend on the chunks): the
+    row states and acc are reset, q_rows rewritten (its padding stays zero), and scores and the
+    widened copies are written before they are read, as from one key block to the next."""
     batch, n_heads, n_q, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_heads // n_kv
@@ -65,37 +137,30 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
     has_alibi = alibi.shape[1] > 0
     s_mult = qk_scale / softcap if softcap > 0 else qk_scale
 
-    for item in prange(batch * n_kv * n_splits):
+    q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
+    direct = k_rows.shape[0] == 0
+    everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
+    # a block's rows as runs of consecutive cache rows (split where a page ends): run i is
+    # block columns run_cols[i] .. run_cols[i + 1], its first key row at element k_starts[i]
+    # of k_cache (v_starts[i] of v_cache), the next rows one row stride further each
+    run_cols, k_starts, v_starts, next_cols, next_starts = runs[0], runs[1], runs[2], runs[3], \
+        runs[4]
+    k_step = k_cache.strides[2] // k_cache.itemsize
+    v_step = v_cache.strides[2] // v_cache.itemsize
+    if not direct:  # a widened copy is one run of rows in its buffer
+        k_step, v_step = k_rows.shape[1], v_tile.shape[1]
+
+    for item in range(first, last):
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
         n_k = n_keys[b]
         shift = n_k - n_q  # bottom-right alignment, per batch entry
-        # -- this split's keys, narrowed to what some row of the group can see (from a
-        # multiple of block_k, so the key blocks are the same for any split of rows)
         seen_lo, seen_hi = _steps.visible_keys(shift, n_q, n_k, left, right, block_k)
         k_lo = max(split * split_len, seen_lo)
         k_hi = min(split * split_len + split_len, seen_hi)
 
-        n = _steps.lanes(part_lse)
-        direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
-        q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
-                                                       d, dv, part_lse)
-        row_max = np.full(rows, -np.inf, dtype=part_lse.dtype)
-        row_sum = np.zeros(rows, dtype=part_lse.dtype)
-        alpha = np.empty(rows, dtype=part_lse.dtype)
-        everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
-        # a block's rows as runs of consecutive cache rows (split where a page ends): run i is
-        # block columns run_cols[i] .. run_cols[i + 1], its first key row at element k_starts[i]
-        # of k_cache (v_starts[i] of v_cache), the next rows one row stride further each
-        max_runs = block_k // page_size + 2
-        run_cols = np.zeros(max_runs + 1, dtype=np.int64)
-        k_starts = np.zeros(max_runs, dtype=np.int64)
-        v_starts = np.zeros(max_runs, dtype=np.int64)
-        next_cols = np.zeros(max_runs + 1, dtype=np.int64)  # the next block's key runs
-        next_starts = np.zeros(max_runs, dtype=np.int64)
-        k_step = k_cache.strides[2] // k_cache.itemsize
-        v_step = v_cache.strides[2] // v_cache.itemsize
-        if not direct:  # a widened copy is one run of rows in its buffer
-            k_step, v_step = k_rows.shape[1], v_tile.shape[1]
+        row_max[:] = -np.inf
+        row_sum[:] = 0.0
+        acc[:, :] = 0.0
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half_kind)
@@ -154,17 +219,18 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
-            first = g * n_q
-            _steps.finish_rows(acc[first:], row_max[first:], row_sum[first:], n_q, -np.inf,
-                               part_out[split], part_lse[split], b, hk * group + g, 0, 0)
+            top = g * n_q
+            _finish_rows(acc[top:], row_max[top:], row_sum[top:], n_q, -np.inf, part_out[split],
+                         part_lse[split], b, hk * group + g, 0, 0)
 
 
 @jit
 def _buffers(rows, block_k, copied, d, dv, like):
-    """q_rows, scores and acc of one work item, and k_rows and v_tile for widened copies of
-    `copied` key and value rows (zero when the rows are read in place). D and Dv are padded to
-    whole vectors (to two for scores and acc, as `_steps.tile_buffers` pads them), and the rows
-    of scores to a multiple of four (`_dot_rows` stores two or four rows at a time)."""
+    """q_rows, scores and acc of one thread's work items, and k_rows and v_tile for widened
+    copies of `copied` key and value rows (zero when the rows are read in place). D and Dv are
+    padded to whole vectors (to two for scores and acc, as `_steps.tile_buffers` pads them),
+    and the rows of scores to a multiple of four (`_dot_rows` stores two or four rows at a
+    time)."""
     dtype = like.dtype
     n = _steps.lanes(like)
     dp, dvp = _steps.round_up(d, n), _steps.round_up(dv, 2 * n)
@@ -174,7 +240,7 @@ def _buffers(rows, block_k, copied, d, dv, like):
             np.zeros((rows, dvp), dtype=dtype))
 
 
-@jit
+@borrowing
 def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, starts):
     """Cut the cache rows of positions start .. start + cols (batch b, head h) into runs of
     consecutive rows, one per page they lie in: fills `run_cols` (the block column where each
@@ -191,7 +257,7 @@ def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, star
     return n_runs
 
 
-@jit
+@borrowing
 def _one_run(cols, run_cols, k_starts, v_starts):
     """The runs of a widened copy: all `cols` rows, from the start of the buffers."""
     run_cols[0], run_cols[1] = 0, cols
@@ -199,7 +265,7 @@ def _one_run(cols, run_cols, k_starts, v_starts):
     return 1
 
 
-@jit
+@borrowing
 def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind):
     """The general gather: element by element, any strides, half-precision bits widened."""
     for c in range(cols):
@@ -208,7 +274,7 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind
             dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half_kind)
 
 
-@jit
+@borrowing
 def _row_starts(r, count, stride):
     """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
     last = r + count - 1
@@ -216,7 +282,7 @@ def _row_starts(r, count, stride):
             min(r + 3, last) * stride)
 
 
-@jit
+@borrowing
 def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ahead,
               next_start):
     """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as `runs`
@@ -248,7 +314,7 @@ def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ah
                 ahead and r == 0)
 
 
-@jit
+@borrowing
 def _one_pass(width, rows, half_kind, like):
     """Whether a block goes through the one-pass kernels (`_stream_dot4`, `_stream_dot2`,
     `_stream_pv2`): up to four query rows of a head dim of eight vectors, in a float cache. Half
@@ -257,7 +323,7 @@ def _one_pass(width, rows, half_kind, like):
     return width == 8 * _steps.lanes(like) and rows <= 4 and half_kind == 0
 
 
-@jit
+@borrowing
 def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
@@ -287,7 +353,7 @@ def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
             k += step
 
 
-@jit
+@borrowing
 def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
@@ -322,7 +388,7 @@ def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
 
 
-@jit
+@borrowing
 def _run_jump(runs, i, next_start):
     """How far the row after run i's last lies from where it would be in the same run, in
     elements: the prefetches of `_stream_dot4` and `_stream_dot2` add it past a run's end. The row
@@ -338,7 +404,7 @@ def _run_jump(runs, i, next_start):
     return after - starts[i] - (run_cols[i + 1] - run_cols[i]) * step
 
 
-@jit
+@borrowing
 def _prefetch_rows(arr, o, rows, step, width):
     """Prefetch the cache lines of `width` elements of `rows` rows from flat o, `step` apart."""
     for r in range(rows):
@@ -346,7 +412,7 @@ def _prefetch_rows(arr, o, rows, step, width):
             prefetch(arr, o + r * step + x)
 
 
-@jit
+@borrowing
 def _run_position(runs, c):
     """(run, flat offset of its row) of block column c of a block given as runs; (n_runs, 0)
     past the block's end."""
@@ -357,7 +423,7 @@ def _run_position(runs, c):
     return j, (starts[j] + (c - run_cols[j]) * step if j < n_runs else 0)
 
 
-@jit
+@borrowing
 def _next_position(runs, c, j, o):
     """`_run_position` of column c + 1 from that of column c, (j, o)."""
     run_cols, starts, n_runs, step = runs
@@ -368,7 +434,7 @@ def _next_position(runs, c, j, o):
     return j + 1, (starts[j + 1] if j + 1 < n_runs else 0)
 
 
-@jit
+@borrowing
 def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     """The eight dot products of the key rows at flat k0 and k1 with four query rows: those
     whose vectors are `qs` (as in `_dot2`), then those at flat o2 and o3 of `q_rows`. Returns
@@ -387,7 +453,7 @@ def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     return _quad_step(keys, k0, k1, 7 * n, half_kind, qs[7], qs[15], q_rows, o2, o3, acc)
 
 
-@jit
+@borrowing
 def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
     """Elements x .. x + lanes of `_dot4x2`'s eight chains."""
     y0, y1 = load_widened(keys, k0 + x, half_kind), load_widened(keys, k1 + x, half_kind)
@@ -400,7 +466,7 @@ def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
             f1)
 
 
-@jit
+@borrowing
 def _pair_vectors(q_rows, o, p):
     """The eight vectors of the query row at flat o, then the eight of the one at flat p."""
     n = _steps.lanes(q_rows)
@@ -412,7 +478,7 @@ def _pair_vectors(q_rows, o, p):
             vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
 
 
-@jit
+@borrowing
 def _dot2(keys, k, half_kind, qs):
     """The two dot products of the key row at flat `k` with the query rows whose eight
     vectors each are `qs` (the first row's, then the second's): two FMA chains along D."""
@@ -436,7 +502,7 @@ def _dot2(keys, k, half_kind, qs):
     return a, b
 
 
-@jit
+@borrowing
 def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, ahead):
     """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
@@ -488,7 +554,7 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
             k += step
 
 
-@jit
+@borrowing
 def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, later_runs, band):
     """acc = alpha * acc + P V over the value rows given as `runs` (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
@@ -526,7 +592,7 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
             _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind)
 
 
-@jit
+@borrowing
 def _finite_runs(values, runs, width, half_kind, like):
     """Whether the value rows given as runs hold only finite numbers in their first `width`
     elements (x - x is 0 for those, NaN for inf and NaN)."""
@@ -542,7 +608,7 @@ def _finite_runs(values, runs, width, half_kind, like):
     return vhsum(total) == 0
 
 
-@jit
+@borrowing
 def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
@@ -565,7 +631,7 @@ def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band
             _steps.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
 
 
-@jit
+@borrowing
 def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
@@ -598,7 +664,7 @@ def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
         _join4(acc, r + 1, 4 * n, alpha, b4, b5, b6, b7)
 
 
-@jit
+@borrowing
 def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later, later_runs):
     """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
@@ -643,7 +709,7 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
         _join4(acc, r + 3, x, alpha, a30, a31, a32, a33)
 
 
-@jit
+@borrowing
 def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
     """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
     sw = scores.shape[1]
@@ -664,7 +730,7 @@ def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
             _steps.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
 
 
-@jit
+@borrowing
 def _join4(acc, r, x, alpha, a0, a1, a2, a3):
     """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
     (`_steps.rescale_add`)."""
@@ -680,7 +746,7 @@ def _signature(key):
     return types.void(
         data, data, data, array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True),
         i8, i8, f8, f8, i8, i8, i8, array(compute, 2, readonly=True), array(compute, 5),
-        array(compute, 4))
+        array(compute, 4), i8)
 
 
 decode = Kernel(_decode, _signature, "KV-cache decoding")
