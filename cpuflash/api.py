@@ -2,6 +2,7 @@
 
 import numba
 import numpy as np
+from numba.np.ufunc import parallel as _numba_parallel
 
 from . import _backward, _combine, _kvcache, _plans, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
@@ -399,12 +400,24 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     return (out_user, lse) if return_lse else out_user
 
 
+def _thread_count():
+    """`numba.get_num_threads()`, which takes Numba's two start-up locks on every call (0.5 us,
+    a tenth of a short decoding call); once the threads are up, Numba's own getter behind it
+    (75 ns) gives the same number."""
+    if getattr(_numba_parallel, "_is_initialized", False):
+        getter = getattr(_numba_parallel, "_get_num_threads", None)
+        n = getter() if getter is not None else 0
+        if n > 0:
+            return n
+    return numba.get_num_threads()
+
+
 def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
     """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
     (and the sinks). `q`, `k`, `v` as the kernels read them."""
-    plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads,
-                              setup.plan_threads or numba.get_num_threads(), setup.head_dim,
-                              setup.compute_dtype, setup.num_splits)
+    n_threads = _thread_count()
+    plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
+                              setup.head_dim, setup.compute_dtype, setup.num_splits)
     direct = setup.native and not sinks.size  # the kernel or the merge writes the output
     if plan.n_splits == 1 and direct:
         part_out, part_lse = out_bhsd[None], lse[None]
@@ -415,7 +428,7 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
     kernel = decode.specialize((q.dtype, setup.compute_dtype))
     kernel(q, k, v, setup.block_table, setup.page_rows, n_keys, plan.split_len, plan.block_k,
            setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
-           part_out, part_lse, numba.get_num_threads())
+           part_out, part_lse, n_threads)
     if plan.n_splits > 1:
         out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
         _combine.merge_into(part_out, part_lse, out, lse)
