@@ -225,3 +225,48 @@ def test_merge_states_is_exact(rng):
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-12)
     out, lse = cpuflash.merge_states(np.stack(outs[1:2]), np.stack(lses[1:2]))
     assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+@pytest.mark.parametrize("dtype,strided", [(np.float32, False), (np.float32, True),
+                                           (np.float16, False)])
+@pytest.mark.parametrize("n_max", [40, 700])  # little work (one thread runs it all) and more
+def test_an_entry_does_not_depend_on_its_neighbours_or_the_thread_count(
+        rng, dtype, strided, n_max):
+    """The decode kernel's threads reuse their buffers from work item to work item: each item
+    must start from the same state, so an entry's bits do not change when the entries around it
+    (their lengths, their values) or the thread count do."""
+    import numba
+
+    b, hq, hk, d = 5, 8, 2, 64
+    q = rng.standard_normal((b, hq, 1, d)).astype(dtype)
+    width = d + 16 if strided else d  # strided rows: the kernel's widened copies
+    k_cache = rng.standard_normal((b, hk, n_max, width)).astype(dtype)[..., :d]
+    v_cache = rng.standard_normal((b, hk, n_max, width)).astype(dtype)[..., :d]
+    v_cache[1, 0, 3] = np.inf  # a non-finite value row in entry 1, which sees no key
+    v_cache[0, 0, n_max - 1, 5] = np.inf  # and one that entry 0 sees: its rows' sums are inf
+    seqlens = np.array([n_max, 0, n_max // 2, 1, n_max - 3], dtype=np.int32)
+    kwargs = dict(window=(n_max // 3, 0), softcap=20.0, num_splits=2, return_lse=True,
+                  alibi_slopes=rng.uniform(0.01, 0.1, hq).astype(np.float32))
+    order = [4, 2, 0, 3, 1]
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            numba.set_num_threads(threads)
+            results.append(cpuflash.attention_with_kvcache(q, k_cache, v_cache,
+                                                           cache_seqlens=seqlens, **kwargs))
+            out, lse = cpuflash.attention_with_kvcache(q[order], k_cache[order], v_cache[order],
+                                                       cache_seqlens=seqlens[order], **kwargs)
+            back = np.argsort(order)
+            assert_same_bits((out[back], lse[back]), results[0], f"{threads} threads, reordered")
+    finally:
+        numba.set_num_threads(before)
+    assert_same_bits(results[1], results[0], "2 threads against 1")
+    out, lse = results[0]
+    rule = dict(causal=True, plain_dtype=dtype, window=kwargs["window"], softcap=20.0)
+    slopes = kwargs["alibi_slopes"]
+    check_kvcache(out[1:], lse[1:], q[1:], k_cache[1:], v_cache[1:], seqlens[1:],
+                  alibi_slopes=slopes, **rule)
+    # entry 0: the KV head after the one with the inf value row (its item follows that one's)
+    check_kvcache(out[:1, 4:], lse[:1, 4:], q[:1, 4:], k_cache[:1, 1:], v_cache[:1, 1:],
+                  seqlens[:1], alibi_slopes=slopes[4:], **rule)
