@@ -375,10 +375,13 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
         if cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (setup.batch,):
             return None
         starts = cache_seqlens.tolist()
-        if min(starts) < 0 or max(starts) > room:
+        longest = max(starts)
+        if min(starts) < 0 or longest > room:
             return None
-        n_k = max(starts) + setup.n_new
-        n_keys = cache_seqlens.astype(np.int64) + setup.n_new
+        n_k = longest + setup.n_new
+        n_keys = cache_seqlens.astype(np.int64)
+        if setup.n_new:
+            n_keys += setup.n_new
     if setup.layout == "bshd":
         q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
         out_user = np.empty((setup.batch, setup.n_q, setup.n_heads, setup.head_dim_v),
