@@ -44,10 +44,11 @@ from ._convert import load_widened, row_offset, vector_rows, widen
 AHEAD = 16
 CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
-# Work (keys x query rows x (D + Dv), summed over the call) up to which the items run on the
-# calling thread alone: a parallel launch costs about as much as 2^17 such multiply-adds of one
-# core (1-1.5 us), more than a second core saves on them. Each item's arithmetic is the same
-# either way, so the results do not depend on it.
+# What a parallel launch costs (1-1.5 us), in the kernel's work of one core: keys x query rows
+# x (D + Dv) multiply-adds. The items run on the calling thread alone unless the threads would
+# save more than that (the work of all but the largest chunk's items; measured on 2 threads,
+# 3 items break even at 300-600 thousand, 12 at ~300 thousand). Each item's arithmetic is the
+# same either way, so the results do not depend on it.
 SERIAL_WORK = 1 << 17
 
 # The helpers below only read and write arrays that their caller holds (none allocates an
@@ -79,7 +80,8 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
     n_items = q.shape[0] * k_cache.shape[1] * part_out.shape[0]
     n_chunks = min(n_items, n_threads)
     rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
-    if n_chunks <= 1 or _small(q, k_cache, v_cache, n_keys):
+    largest = -(-n_items // max(n_chunks, 1))  # items of the largest chunk
+    if n_chunks <= 1 or _work(q, v_cache, n_keys) * (n_items - largest) <= SERIAL_WORK * n_items:
         buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3], part_lse)
         _decode_items(0, n_items, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
                       split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
@@ -95,13 +97,12 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
 
 
 @borrowing
-def _small(q, k_cache, v_cache, n_keys):
-    """Whether the call's work is at most `SERIAL_WORK`."""
-    work = 0
+def _work(q, v_cache, n_keys):
+    """The call's work in the units of `SERIAL_WORK`."""
+    keys = 0
     for b in range(n_keys.shape[0]):
-        work += n_keys[b]
-    work *= q.shape[1] * q.shape[2] * (q.shape[3] + v_cache.shape[3])
-    return work <= SERIAL_WORK
+        keys += n_keys[b]
+    return keys * q.shape[1] * q.shape[2] * (q.shape[3] + v_cache.shape[3])
 
 
 @jit
