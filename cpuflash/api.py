@@ -348,8 +348,21 @@ def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, la
         lengths = None if cache_seqlens is None else cache_seqlens.__class__
     else:
         return None
-    return (kind, q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, causal, scale, window,
+    k_shape, v_shape = k.shape, v.shape
+    if cache_seqlens is None and new is None and k.ndim == v.ndim == 4:
+        # every key of the arrays is attended to: their length is the call's, not the plan's
+        # (transformers' caches grow by one key a step, so each step has a new length)
+        axis = _SEQ_AXIS.get(layout, 2)
+        k_shape, v_shape = _without(k_shape, axis), _without(v_shape, axis)
+    return (kind, q.shape, q.dtype, k_shape, k.dtype, v_shape, v.dtype, causal, scale, window,
             softcap, layout, num_splits, lengths, new)
+
+
+_SEQ_AXIS = {"bhsd": 2, "bshd": 1}  # the sequence axis of 4-D arrays
+
+
+def _without(shape, axis):
+    return shape[:axis] + (None,) + shape[axis + 1:]
 
 
 def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None):
@@ -361,10 +374,19 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     if new_k is not None and not (k.flags.writeable and v.flags.writeable):
         return None
     room = setup.n_max - setup.n_new  # the largest valid length
+    page_rows = setup.page_rows
     if cache_seqlens is None:
         if setup.n_new:
             return None
         starts, n_keys, n_k = None, setup.full_keys, setup.n_max
+        if setup.block_table.shape[1] == 1:  # unpaged: the arrays' own length (see _decode_key)
+            axis = _SEQ_AXIS[setup.layout]
+            n_k = k.shape[axis]
+            if n_k == 0 or v.shape[axis] != n_k:
+                return None  # the full path: no keys, or a mismatch it names
+            if n_k != setup.n_max:
+                n_keys = np.full(setup.batch, n_k, dtype=np.int64)
+                page_rows = n_k
     elif cache_seqlens.__class__ is int:
         if not 0 <= cache_seqlens <= room:
             return None
@@ -399,7 +421,7 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     if setup.half_kind != _validate.NATIVE:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
-    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks)
+    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows)
     return (out_user, lse) if return_lse else out_user
 
 
@@ -415,9 +437,12 @@ def _thread_count():
     return numba.get_num_threads()
 
 
-def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
+def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None):
     """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
-    (and the sinks). `q`, `k`, `v` as the kernels read them."""
+    (and the sinks). `q`, `k`, `v` as the kernels read them; `page_rows`: the cache's rows per
+    page when they are not the setup's (an unpaged cache of another length)."""
+    if page_rows is None:
+        page_rows = setup.page_rows
     n_threads = _thread_count()
     plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
                               setup.head_dim, setup.compute_dtype, setup.num_splits)
@@ -429,7 +454,7 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks):
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
     kernel = decode.specialize((q.dtype, setup.compute_dtype))
-    kernel(q, k, v, setup.block_table, setup.page_rows, n_keys, plan.split_len, plan.block_k,
+    kernel(q, k, v, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
            setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
            part_out, part_lse, n_threads)
     if plan.n_splits > 1:

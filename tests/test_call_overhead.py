@@ -112,8 +112,40 @@ def test_a_plan_is_never_reused_for_a_call_that_differs(rng):
         numba.set_num_threads(threads)
         assert_same_bits(calls[name](), expected[threads][name], f"{name} threads={threads}")
     # each got a plan of its own (so the cached path was taken), but for "fortran": strides
-    # decide nothing before the kernel, which reads them itself, so it shares "plain"'s
-    assert len(_plans._entries) == len(calls) - 1
+    # decide nothing before the kernel, which reads them itself, and "fewer keys": the length
+    # of a cache that is attended to whole is the call's; both share "plain"'s
+    assert len(_plans._entries) == len(calls) - 2
+
+
+@pytest.mark.parametrize("kind", ["kvcache", "attention"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_cache_that_grows_a_key_a_step_keeps_its_plan(rng, validations, kind, layout):
+    """As transformers decodes: every step attends to all keys of a cache one key longer, read
+    as views of a larger buffer."""
+    q, k_all, v_all = decode_inputs(rng, batch=2, n_keys=80)
+    if layout == "bshd":
+        q, k_all, v_all = (np.swapaxes(x, 1, 2) for x in (q, k_all, v_all))
+    axis = 1 if layout == "bshd" else 2
+
+    def step(n):
+        k, v = (np.take(x, np.arange(n), axis=axis) if n % 2 else
+                x[:, :n] if layout == "bshd" else x[:, :, :n] for x in (k_all, v_all))
+        if kind == "kvcache":
+            return cpuflash.attention_with_kvcache(q, k, v, layout=layout, return_lse=True)
+        return cpuflash.attention(q, k, v, layout=layout, causal=True, return_lse=True)
+
+    got = [step(n) for n in range(60, 80)]
+    assert validations[kind] == 1  # one full check, then the plan, whatever the length
+    for n, result in zip(range(60, 80), got):
+        assert_same_bits(result, uncached(lambda: step(n)), f"{n} keys")
+    k, v = (x[:, :70] if layout == "bshd" else x[:, :, :70] for x in (k_all, v_all))
+    v_short = v[:, :69] if layout == "bshd" else v[:, :, :69]
+    step(60)
+    with pytest.raises(ValueError, match="has 69 keys but"):  # the full path names it
+        if kind == "kvcache":
+            cpuflash.attention_with_kvcache(q, k, v_short, layout=layout)
+        else:
+            cpuflash.attention(q, k, v_short, layout=layout, causal=True)
 
 
 def test_a_changed_length_of_the_same_shapes_is_still_checked_and_used(rng):
