@@ -180,6 +180,13 @@ def jit(func):
     return numba.njit(**HELPER_OPTIONS)(func)
 
 
+def jit_borrowing(func, cache=CACHING):
+    """`jit` without reference counting, for a hot helper that only reads and writes arrays its
+    caller holds (it allocates none and returns none): the atomic increments and decrements of
+    every array passed from call to call otherwise cost as much as a short helper's work."""
+    return numba.njit(_nrt=False, **dict(HELPER_OPTIONS, cache=cache))(func)
+
+
 def array(dtype, ndim, readonly=False):
     """Numba type of an array of any strides."""
     return types.Array(numba.from_dtype(dtype), ndim, "A", readonly=readonly)

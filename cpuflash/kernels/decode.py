@@ -28,13 +28,12 @@ one page per batch entry. The micro-kernels walk a block as runs of consecutive 
 page it touches, so they compute each row's address instead of loading it from a table.
 """
 
-import numba
 import numpy as np
 from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, Kernel, array, jit
+from .._jit import STRICT_OPTIONS, Kernel, array, jit, jit_borrowing
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
@@ -51,13 +50,13 @@ NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
 # same either way, so the results do not depend on it.
 SERIAL_WORK = 1 << 17
 
-# The helpers below only read and write arrays that their caller holds (none allocates an
-# array or returns one), so they are compiled without reference counting: with it, the atomic
-# increments and decrements of the arrays passed from call to call took half the time of a
-# short item (64 keys). `_finish_rows` is `_steps.finish_rows` compiled so (the same code).
-borrowing = numba.njit(_nrt=False, **HELPER_OPTIONS)
-_finish_rows = numba.njit(_nrt=False, **dict(HELPER_OPTIONS, cache=False))(
-    _steps.finish_rows.py_func)
+# The helpers below only read and write arrays that their caller holds, so they are compiled
+# without reference counting (`jit_borrowing`): with it, the atomic counts of the arrays passed
+# from call to call took half the time of a short item (64 keys). `_finish_rows` is
+# `_steps.finish_rows` compiled so (the same code; its own cache entry would collide with the
+# counted one, and it is compiled into the cached kernel anyway).
+borrowing = jit_borrowing
+_finish_rows = jit_borrowing(_steps.finish_rows.py_func, cache=False)
 
 
 def line_elements(arr):
