@@ -57,6 +57,17 @@ def _family(features, prefix):
     return ("yes (" + " ".join(found) + ")") if found else "no"
 
 
+def _no_bf16_dot_reason():
+    from cpuflash import _simd
+
+    if not _simd.BF16_ISA:
+        return "the compile target has no AVX512-BF16"
+    if os.environ.get("CPUFLASH_BF16_DOT") == "0":
+        return "CPUFLASH_BF16_DOT=0"
+    return ("this CPU has AVX512-BF16, but its vdpbf16ps does fewer multiply-adds per cycle "
+            "than fma; CPUFLASH_BF16_DOT=1 takes it anyway")
+
+
 def info_lines():
     """The lines `python -m cpuflash info` prints."""
     import llvmlite
@@ -85,7 +96,7 @@ def info_lines():
         "bfloat16:       " + (
             "AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and softmax, P (and "
             "the backward's dS) rounded to bfloat16; decode: widened" if _simd.BF16_DOT else
-            "widened to float32 (the compile target has no AVX512-BF16)"),
+            "widened to float32 (" + _no_bf16_dot_reason() + ")"),
         "tiles (float32, cpuflash.choose_tiles; L1/L2 bytes of the tiling model):",
     ]
     for head_dim in (64, 128, 256):

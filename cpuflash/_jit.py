@@ -161,7 +161,10 @@ _stamp = None
 def _package_stamp():
     global _stamp
     if _stamp is None:
-        digest = hashlib.sha256(numba.__version__.encode())
+        from . import _simd  # (imports this module: not at the top)
+
+        # the bfloat16 route is chosen in Python, not by the target Numba keys entries by
+        digest = hashlib.sha256(f"{numba.__version__} bf16-dot={_simd.BF16_DOT}".encode())
         for path in sorted(_COMPILED_SOURCES):
             digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
             digest.update(path.read_bytes())

@@ -26,6 +26,8 @@ Contract
   does not.
 """
 
+import os
+
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
@@ -121,10 +123,28 @@ def _target_has_avx512bf16(cpu_name, features):
     return _cpu_model_has_avx512bf16(cpu_name)
 
 
-# Whether bfloat16 dot products run on `vdpbf16ps` (decided before anything is compiled: see
-# `_BF16_PROBE_IR`). Where it is False, `vdot_pairs` and `vstore_pairs` compile to plain float32
-# code with the same results on normal numbers, and the kernels widen bfloat16 instead.
-BF16_DOT = _target_has_avx512bf16(config.CPU_NAME, config.CPU_FEATURES)
+def _bf16_dot_pays(cpu_name, forced):
+    """Whether `vdpbf16ps` does more multiply-adds per cycle than `fma` on the target's cores.
+
+    Measured (`bench/bf16_ports.py`): on AMD Zen 4 and Zen 5 it does twice as
+    many, on Intel's AVX512-BF16 cores (Sapphire Rapids class) half as many, so there the
+    bfloat16 kernels would run slower than the widening path (Intel's fast bfloat16 unit is
+    AMX, which cpuflash does not use). `forced` (``CPUFLASH_BF16_DOT``) is "1" or "0" to
+    choose either way, for tests and for measuring a CPU this rule does not know.
+    """
+    if forced in ("0", "1"):
+        return forced == "1"
+    if cpu_name in (None, "host"):
+        cpu_name = llvm.get_host_cpu_name()
+    return cpu_name.startswith("znver")
+
+
+# Whether the compile target has AVX512-BF16 with 512-bit vectors (decided before anything is
+# compiled: see `_BF16_PROBE_IR`), and whether bfloat16 inputs take the dot-product kernels on it.
+# Where BF16_DOT is False, `vdot_pairs` and `vstore_pairs` compile to plain float32 code with
+# the same results on normal numbers, and the kernels widen bfloat16 instead.
+BF16_ISA = _target_has_avx512bf16(config.CPU_NAME, config.CPU_FEATURES)
+BF16_DOT = BF16_ISA and _bf16_dot_pays(config.CPU_NAME, os.environ.get("CPUFLASH_BF16_DOT"))
 
 
 def lanes_for(dtype):

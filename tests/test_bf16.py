@@ -5,6 +5,8 @@ path from the compile target's features (the widening path elsewhere, never an a
 
 import os
 import platform
+import subprocess
+import sys
 
 import numba
 import numpy as np
@@ -103,7 +105,25 @@ def test_host_rule_matches_the_host():
     if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
         from numba.core import codegen
         host = codegen.get_host_cpu_features().split(",")
-        assert _simd.BF16_DOT == ("+avx512bf16" in host and "+avx512f" in host)
+        assert _simd.BF16_ISA == ("+avx512bf16" in host and "+avx512f" in host)
+    forced = os.environ.get("CPUFLASH_BF16_DOT")
+    assert _simd.BF16_DOT == (_simd.BF16_ISA and _simd._bf16_dot_pays(numba.config.CPU_NAME,
+                                                                       forced))
+
+
+@pytest.mark.parametrize(
+    "cpu_name, forced, expected",
+    [
+        ("znver4", None, True),  # vdpbf16ps does twice the multiply-adds of fma
+        ("znver5", "", True),
+        ("sapphirerapids", None, False),  # half of them: the widening path is faster
+        ("graniterapids", None, False),
+        ("sapphirerapids", "1", True),
+        ("znver4", "0", False),
+    ],
+)
+def test_dot_products_where_they_pay(cpu_name, forced, expected):
+    assert _simd._bf16_dot_pays(cpu_name, forced) is expected
 
 
 # -- the kernels
@@ -276,3 +296,20 @@ def test_target_without_bf16_widens(tmp_path):
     result = run_python(NO_BF16_SCRIPT, env=env, timeout=600)
     assert result.returncode == 0, explain(result)
     assert result.stdout.split() == ["16", "False", "True", "True"], explain(result)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _simd.BF16_ISA, reason="the compile target has no AVX512-BF16: one route")
+@pytest.mark.skipif("CPUFLASH_BF16_DOT" in os.environ, reason="the route is forced here")
+def test_the_other_route(tmp_path):
+    """On a CPU with AVX512-BF16 both routes can run (the dot products, or widening where they
+    do not pay): this file again, on the route this CPU does not take by default, so that CI
+    checks both on either kind of CPU."""
+    other = "0" if _simd.BF16_DOT else "1"
+    env = dict(os.environ, CPUFLASH_BF16_DOT=other, NUMBA_CACHE_DIR=str(tmp_path),
+               CPUFLASH_QUIET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-m", "not slow", __file__], capture_output=True, text=True,
+                            env=env, timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0, explain(result)
+    assert " passed" in result.stdout and "skipped" not in result.stdout, explain(result)
