@@ -55,7 +55,6 @@ SERIAL_WORK = 1 << 17
 # from call to call took half the time of a short item (64 keys). `_finish_rows` is
 # `_steps.finish_rows` compiled so (the same code; its own cache entry would collide with the
 # counted one, and it is compiled into the cached kernel anyway).
-borrowing = jit_borrowing
 _finish_rows = jit_borrowing(_steps.finish_rows.py_func, cache=False)
 
 
@@ -95,7 +94,7 @@ def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, bloc
                           part_out, part_lse)
 
 
-@borrowing
+@jit_borrowing
 def _work(q, v_cache, n_keys):
     """The call's work in the units of `SERIAL_WORK`."""
     keys = 0
@@ -121,7 +120,7 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
     return (q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs)
 
 
-@borrowing
+@jit_borrowing
 def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
                   split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi, part_out,
                   part_lse):
@@ -240,7 +239,7 @@ def _buffers(rows, block_k, copied, d, dv, like):
             np.zeros((rows, dvp), dtype=dtype))
 
 
-@borrowing
+@jit_borrowing
 def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, starts):
     """Cut the cache rows of positions start .. start + cols (batch b, head h) into runs of
     consecutive rows, one per page they lie in: fills `run_cols` (the block column where each
@@ -257,7 +256,7 @@ def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, star
     return n_runs
 
 
-@borrowing
+@jit_borrowing
 def _one_run(cols, run_cols, k_starts, v_starts):
     """The runs of a widened copy: all `cols` rows, from the start of the buffers."""
     run_cols[0], run_cols[1] = 0, cols
@@ -265,7 +264,7 @@ def _one_run(cols, run_cols, k_starts, v_starts):
     return 1
 
 
-@borrowing
+@jit_borrowing
 def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind):
     """The general gather: element by element, any strides, half-precision bits widened."""
     for c in range(cols):
@@ -274,7 +273,7 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind
             dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half_kind)
 
 
-@borrowing
+@jit_borrowing
 def _row_starts(r, count, stride):
     """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
     last = r + count - 1
@@ -282,7 +281,7 @@ def _row_starts(r, count, stride):
             min(r + 3, last) * stride)
 
 
-@borrowing
+@jit_borrowing
 def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ahead,
               next_start):
     """scores[r, c] = q_rows[r] . (key row of block column c), the key rows given as `runs`
@@ -314,7 +313,7 @@ def _dot_rows(q_rows, keys, runs, scores, rows, half_kind, later, later_runs, ah
                 ahead and r == 0)
 
 
-@borrowing
+@jit_borrowing
 def _one_pass(width, rows, half_kind, like):
     """Whether a block goes through the one-pass kernels (`_stream_dot4`, `_stream_dot2`,
     `_stream_pv2`): up to four query rows of a head dim of eight vectors, in a float cache. Half
@@ -323,7 +322,7 @@ def _one_pass(width, rows, half_kind, like):
     return width == 8 * _steps.lanes(like) and rows <= 4 and half_kind == 0
 
 
-@borrowing
+@jit_borrowing
 def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count <= 2) of a head dim of eight vectors: both
     rows' query vectors are held in registers and every key row is read front to back, four
@@ -353,7 +352,7 @@ def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
             k += step
 
 
-@borrowing
+@jit_borrowing
 def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
@@ -388,7 +387,7 @@ def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
             scores[2, c], scores[3, c] = vhsum(e0), vhsum(f0)
 
 
-@borrowing
+@jit_borrowing
 def _run_jump(runs, i, next_start):
     """How far the row after run i's last lies from where it would be in the same run, in
     elements: the prefetches of `_stream_dot4` and `_stream_dot2` add it past a run's end. The row
@@ -404,7 +403,7 @@ def _run_jump(runs, i, next_start):
     return after - starts[i] - (run_cols[i + 1] - run_cols[i]) * step
 
 
-@borrowing
+@jit_borrowing
 def _prefetch_rows(arr, o, rows, step, width):
     """Prefetch the cache lines of `width` elements of `rows` rows from flat o, `step` apart."""
     for r in range(rows):
@@ -412,7 +411,7 @@ def _prefetch_rows(arr, o, rows, step, width):
             prefetch(arr, o + r * step + x)
 
 
-@borrowing
+@jit_borrowing
 def _run_position(runs, c):
     """(run, flat offset of its row) of block column c of a block given as runs; (n_runs, 0)
     past the block's end."""
@@ -423,7 +422,7 @@ def _run_position(runs, c):
     return j, (starts[j] + (c - run_cols[j]) * step if j < n_runs else 0)
 
 
-@borrowing
+@jit_borrowing
 def _next_position(runs, c, j, o):
     """`_run_position` of column c + 1 from that of column c, (j, o)."""
     run_cols, starts, n_runs, step = runs
@@ -434,7 +433,7 @@ def _next_position(runs, c, j, o):
     return j + 1, (starts[j + 1] if j + 1 < n_runs else 0)
 
 
-@borrowing
+@jit_borrowing
 def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     """The eight dot products of the key rows at flat k0 and k1 with four query rows: those
     whose vectors are `qs` (as in `_dot2`), then those at flat o2 and o3 of `q_rows`. Returns
@@ -453,7 +452,7 @@ def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     return _quad_step(keys, k0, k1, 7 * n, half_kind, qs[7], qs[15], q_rows, o2, o3, acc)
 
 
-@borrowing
+@jit_borrowing
 def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
     """Elements x .. x + lanes of `_dot4x2`'s eight chains."""
     y0, y1 = load_widened(keys, k0 + x, half_kind), load_widened(keys, k1 + x, half_kind)
@@ -466,7 +465,7 @@ def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
             f1)
 
 
-@borrowing
+@jit_borrowing
 def _pair_vectors(q_rows, o, p):
     """The eight vectors of the query row at flat o, then the eight of the one at flat p."""
     n = _steps.lanes(q_rows)
@@ -478,7 +477,7 @@ def _pair_vectors(q_rows, o, p):
             vload(q_rows, p + 6 * n), vload(q_rows, p + 7 * n))
 
 
-@borrowing
+@jit_borrowing
 def _dot2(keys, k, half_kind, qs):
     """The two dot products of the key row at flat `k` with the query rows whose eight
     vectors each are `qs` (the first row's, then the second's): two FMA chains along D."""
@@ -502,7 +501,7 @@ def _dot2(keys, k, half_kind, qs):
     return a, b
 
 
-@borrowing
+@jit_borrowing
 def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, ahead):
     """`_dot_rows` for rows r .. r + count - 1 (count <= 4), any head dim: four rows x four keys at
     a time, 16 independent FMA chains, each key vector loaded once for four rows and each query
@@ -554,7 +553,7 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
             k += step
 
 
-@borrowing
+@jit_borrowing
 def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, later_runs, band):
     """acc = alpha * acc + P V over the value rows given as `runs` (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
@@ -592,7 +591,7 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
             _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind)
 
 
-@borrowing
+@jit_borrowing
 def _finite_runs(values, runs, width, half_kind, like):
     """Whether the value rows given as runs hold only finite numbers in their first `width`
     elements (x - x is 0 for those, NaN for inf and NaN)."""
@@ -608,7 +607,7 @@ def _finite_runs(values, runs, width, half_kind, like):
     return vhsum(total) == 0
 
 
-@borrowing
+@jit_borrowing
 def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
@@ -631,7 +630,7 @@ def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band
             _steps.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
 
 
-@borrowing
+@jit_borrowing
 def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
@@ -664,7 +663,7 @@ def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
         _join4(acc, r + 1, 4 * n, alpha, b4, b5, b6, b7)
 
 
-@borrowing
+@jit_borrowing
 def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later, later_runs):
     """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: 16 accumulators held
     in registers over the whole block. Missing rows repeat the last one and are not stored."""
@@ -709,7 +708,7 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
         _join4(acc, r + 3, x, alpha, a30, a31, a32, a33)
 
 
-@borrowing
+@jit_borrowing
 def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
     """`_pv_micro4x4` for one vector of columns (the last vectors of a narrow head)."""
     sw = scores.shape[1]
@@ -730,7 +729,7 @@ def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
             _steps.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
 
 
-@borrowing
+@jit_borrowing
 def _join4(acc, r, x, alpha, a0, a1, a2, a3):
     """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
     (`_steps.rescale_add`)."""
