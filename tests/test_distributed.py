@@ -21,6 +21,9 @@ import pytest
 import cpuflash
 from helpers import clean_env, visible
 
+# mpi4py first: importorskip skips on a missing module, and cpuflash.distributed turns that into
+# an ImportError that names the extra (which importorskip reports as an error, not a skip)
+pytest.importorskip("mpi4py", reason="cpuflash.distributed needs mpi4py (the mpi extra)")
 distributed = pytest.importorskip("cpuflash.distributed",
                                   reason="cpuflash.distributed needs mpi4py (the mpi extra)")
 
