@@ -41,7 +41,7 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                 rows = min(block_q, n_q - q0)
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
-                _steps.pack_rows(q, b, h, q0, rows, q_tile, 0)
+                _steps.pack_query_groups(q, b, h, q0, rows, q_tile, 0)
                 _steps.qk_tile(q_tile, k_panels, scores, rows, cols, qk_scale, *everything)
                 if causal and kb + cols - 1 > q0 + shift:
                     _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right,

@@ -66,7 +66,8 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
             if pairs:
                 _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
             else:
-                _steps.pack_rows(q, batch_q, h, q_start + q0, rows, q_tile, half_kind)
+                _steps.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
+                                         half_kind)
             row_max[:rows] = -np.inf
             row_sum[:rows] = 0.0
             acc[:rows, :] = 0.0
