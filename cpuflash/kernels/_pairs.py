@@ -48,8 +48,10 @@ def pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
 @overload(pair_buffers, jit_options=HELPER_OPTIONS)
 def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
     if not (_simd.BF16_DOT and q.dtype == types.uint16):
+        # q_pairs shaped as the forward's q_tile (row groups), so that the untaken pairs branch
+        # calls the tile steps with the float branch's types: one specialization, not two
         def empty(block_q, block_k, d, dv, q, like, half_kind):
-            return (np.zeros((0, 0), like.dtype), np.zeros((0, 0, 0), like.dtype),
+            return (np.zeros((0, 0, 0), like.dtype), np.zeros((0, 0, 0), like.dtype),
                     np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
         return empty
     width = 2 * _simd.LANES_F32
