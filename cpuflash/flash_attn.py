@@ -406,7 +406,7 @@ def _rotary(x, cos, sin, positions, interleaved):
     computed in float32 (float64 for float64) and rounded once, as flash-attn's kernel does."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     dim = 2 * cos.shape[1]
-    c, s = (t.to(compute)[positions].unsqueeze(2) for t in (cos, sin))  # (B, N, 1, dim / 2)
+    c, s = (t[positions].to(compute).unsqueeze(2) for t in (cos, sin))  # (B, N, 1, dim / 2)
     part = x[..., :dim].to(compute)
     if interleaved:  # pairs (0, 1), (2, 3), ...
         x1, x2 = part[..., 0::2], part[..., 1::2]

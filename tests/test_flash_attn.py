@@ -239,6 +239,27 @@ def test_opcheck_varlen_and_kvcache(gen):
                            0.0, None, 0))
 
 
+def test_torch_compile_traces_whole_graphs(gen):
+    q, k, v = bshd_qkv(gen, n_q=9, n_k=9, d=16, dv=16)
+    q.requires_grad_()
+    batched = torch.compile(lambda q, k, v: fa.flash_attn_func(q, k, v, causal=True),
+                            fullgraph=True, backend="eager")
+    torch.testing.assert_close(batched(q, k, v), fa.flash_attn_func(q, k, v, causal=True))
+    cu = torch.tensor([0, 4, 18], dtype=torch.int32)
+    packed_q, packed_k, packed_v = (x.reshape(18, x.shape[2], 16) for x in (q, k, v))
+    varlen = torch.compile(lambda q, k, v: fa.flash_attn_varlen_func(q, k, v, cu, cu, 14, 14),
+                           fullgraph=True, backend="eager")
+    varlen(packed_q, packed_k, packed_v).sum().backward()
+    assert q.grad is not None
+    k_cache, v_cache = torch.zeros(2, 12, 2, 16), torch.zeros(2, 12, 2, 16)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    decode = torch.compile(lambda q, k, v: fa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens), fullgraph=True, backend="eager")
+    with torch.no_grad():
+        decode(q[:, :1], k[:, :1], v[:, :1])
+    assert torch.equal(k_cache[0, 3], k[0, 0]) and torch.equal(v_cache[1, 5], v[1, 0])
+
+
 # ------------------------------------------------------------------------------------------------
 # the KV cache: rotary, cache_batch_idx, cache_leftpad, paging
 
