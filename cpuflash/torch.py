@@ -48,19 +48,32 @@ def _as_numpy(t):
     return t.numpy()
 
 
+def _as_tensor(a):
+    """A CPU tensor sharing the memory of the numpy array `a` (the inverse of `_as_numpy`)."""
+    if a.dtype.name == "bfloat16":  # ml_dtypes' type: hand torch the bits
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def _lse_meta(q, layout):
     """Shape and dtype of the forward's log-sum-exp for `q`."""
     shape = (q.shape[0], q.shape[2], q.shape[1]) if layout == "bshd" else q.shape[:-1]
     return shape, (torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
+def _score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes):
+    """The keywords every cpuflash attention function takes, from an operator's arguments."""
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
+    return dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                alibi_slopes=_as_numpy(alibi_slopes))
+
+
 def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
               sinks, layout):
     """The keywords of `cpuflash.attention` / `attention_backward`, as numpy views."""
-    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    return dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                alibi_slopes=_as_numpy(alibi_slopes), bias=_as_numpy(bias),
-                mask=_as_numpy(mask), sinks=_as_numpy(sinks), layout=layout)
+    return dict(_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes),
+                bias=_as_numpy(bias), mask=_as_numpy(mask), sinks=_as_numpy(sinks),
+                layout=layout)
 
 
 # -- the forward operator
@@ -153,6 +166,18 @@ def _tensor_or_none(x):
     return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
 
 
+def _window_sides(window, name="window"):
+    """``(left, right)`` ints from a window given as a pair (-1 = unbounded) or None."""
+    if window is None:
+        return -1, -1
+    try:
+        left, right = (int(side) for side in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"`{name}` must be a pair of ints (left, right), each >= -1, got "
+                         f"{window!r}") from None
+    return left, right
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
               bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False):
     """`cpuflash.attention` for CPU torch tensors, differentiable in q, k, v and sinks.
@@ -177,14 +202,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     """
     alibi_slopes, bias, mask, sinks = map(_tensor_or_none, (alibi_slopes, bias, mask, sinks))
     _check_cpu(q=q, k=k, v=v, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks)
-    if window is None:
-        left, right = -1, -1
-    else:
-        try:
-            left, right = (int(side) for side in window)
-        except (TypeError, ValueError):
-            raise ValueError(f"`window` must be a pair of ints (left, right), each >= -1, got "
-                             f"{window!r}") from None
+    left, right = _window_sides(window)
     if scale is not None:
         scale = float(scale)
     out, lse = torch.ops.cpuflash.attention(q, k, v, bool(causal), scale, left, right,

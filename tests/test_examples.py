@@ -21,7 +21,7 @@ OPTIONAL_IMPORTS = {
     package: re.compile(r"^\s*(import|from)\s+(%s)\b" % "|".join(map(re.escape, modules)),
                         re.MULTILINE)
     for package, modules in {
-        "torch": ["torch", "cpuflash.torch"],
+        "torch": ["torch", "cpuflash.torch", "cpuflash.flash_attn"],
         "transformers": ["transformers", "cpuflash.transformers"],
         "mpi4py": ["mpi4py", "cpuflash.distributed"],
     }.items()
