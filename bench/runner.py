@@ -692,6 +692,47 @@ def _cell(result):
     return f"{result['gflops']:.1f}"
 
 
+# What the project measured on each CPU class with the full `python -m cpuflash bench` (2
+# threads, float32; docs/performance.md has the tables and dates): cpuflash's forward over torch
+# SDPA's, lowest and highest over the cases. `expectation` sets a user's run beside these.
+CPU_CLASSES = (
+    # (name, test on cpu_info(), (lowest, highest) cpuflash/torch)
+    ("AMD EPYC Zen 2/3 (AVX2, no AVX-512)",
+     lambda m: m["llvm_cpu"] in ("znver2", "znver3"), (0.78, 1.10)),
+    ("AMD EPYC Zen 4/5 (AVX-512)",
+     lambda m: m["llvm_cpu"] in ("znver4", "znver5"), (1.11, 2.6)),
+    ("Intel Xeon with AMX (Sapphire Rapids class)",
+     lambda m: "amx-tile" in m["simd"], (0.69, 1.25)),
+)
+
+
+def cpu_class(machine):
+    """``(name, (lowest, highest))`` of the first of `CPU_CLASSES` that `machine` (a
+    `cpuflash.cpu_info` dict) belongs to, or None for a class the project has not measured."""
+    for name, belongs, ratios in CPU_CLASSES:
+        if belongs(machine):
+            return name, ratios
+    return None
+
+
+def expectation(report):
+    """A line setting this run's cpuflash/torch ratios beside the project's figures for the
+    machine's class (`CPU_CLASSES`), or saying that there are none."""
+    ratios = [ours / theirs for record in report["cases"]
+              for ours, theirs in [(_gflops_of(record, "cpuflash"), _gflops_of(record, "torch"))]
+              if ours and theirs]
+    machine = report["machine"]
+    found = cpu_class(machine)
+    mine = (f"this run: cpuflash at {min(ratios):.2f}-{max(ratios):.2f}x torch SDPA"
+            if ratios else "this run measured no cpuflash/torch ratio")
+    if found is None:
+        return (f"{mine}. The project has no figures for this CPU ({machine['llvm_cpu']}, "
+                f"{' '.join(machine['simd']) or 'no SIMD features read'}); see the README.")
+    name, (low, high) = found
+    return (f"{mine}. On {name} the project measured {low:.2f}-{high:.2f}x with the full "
+            f"benchmark (README, 'What speed to expect').")
+
+
 def markdown_table(report):
     """The report as a markdown table, with notes on the ceiling, skips and wrong results.
 
@@ -873,6 +914,7 @@ def command(quick=False, out="cpuflash-bench", repeats=None, command_line=None):
 
     os.makedirs(out, exist_ok=True)
     print(markdown_table(report))
+    print(expectation(report))
     write_json(report, os.path.join(out, "bench.json"))
     write_markdown(report, os.path.join(out, "bench.md"))
     _, plot_message = write_plot(report, os.path.join(out, "bench.png"))

@@ -448,3 +448,27 @@ def test_measure_survives_a_competitor_that_raises(monkeypatch):
     assert record["results"]["cpuflash"]["status"] == "ok"
     report = {"implementations": ["cpuflash", "fa1"], "cases": [record], "repeats": 1}
     assert "| ERROR |" in runner.markdown_table(report)
+
+
+def _report(llvm_cpu, simd, ratios):
+    """A report of one case per ratio (cpuflash's GFLOP/s over torch's), on a made-up CPU."""
+    ok = {"status": "ok"}
+    return {"machine": {"llvm_cpu": llvm_cpu, "simd": simd},
+            "cases": [{"results": {"cpuflash": dict(ok, gflops=100.0 * r),
+                                   "torch": dict(ok, gflops=100.0)}} for r in ratios]}
+
+
+@pytest.mark.parametrize("llvm_cpu, simd, expected", [
+    ("znver3", ["avx2", "fma"], "Zen 2/3"),
+    ("znver5", ["avx2", "avx512f"], "Zen 4/5"),
+    ("sapphirerapids", ["avx512f", "amx-tile"], "AMX"),
+    ("skylake-avx512", ["avx512f"], None),
+])
+def test_bench_names_the_cpu_class(llvm_cpu, simd, expected):
+    found = runner.cpu_class({"llvm_cpu": llvm_cpu, "simd": simd})
+    assert (found is None) == (expected is None)
+    if expected is not None:
+        assert expected in found[0]
+    line = runner.expectation(_report(llvm_cpu, simd, [0.9, 1.3]))
+    assert "this run: cpuflash at 0.90-1.30x torch SDPA" in line
+    assert ("has no figures for this CPU" in line) == (expected is None)
