@@ -408,3 +408,36 @@ def test_import_error_names_the_extra():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert "cpuflash.jax needs jax" in result.stdout, result.stderr
+
+
+def test_bias_gradient_with_every_modifier(rng):
+    """dbias along a random direction against a central difference of the float64 forward,
+    with softcap, ALiBi, a mask, sinks and GQA in the pipeline."""
+    with x64():
+        q, k, v = random_qkv(rng, (2, 4, 13, 8), (2, 2, 17, 8), dtype=np.float64)
+        keywords = dict(softcap=3.0, alibi_slopes=np.array([0.3, 0.2, 0.1, 0.05]),
+                        mask=rng.random((2, 1, 13, 17)) < 0.8, sinks=np.zeros(4), window=(9, 2))
+        bias = rng.standard_normal((4, 13, 17))
+        direction = rng.standard_normal(bias.shape)
+        w = rng.standard_normal((2, 4, 13, 8))
+
+        def loss(b):
+            return jnp.sum(cj.attention(q, k, v, bias=b, **keywords) * w)
+
+        grad = jax.grad(loss)(bias)
+        eps = 1e-6
+        slope = (loss(bias + eps * direction) - loss(bias - eps * direction)) / (2 * eps)
+        np.testing.assert_allclose(float(jnp.sum(grad * direction)), float(slope), rtol=1e-7)
+
+
+def test_bias_gradient_bfloat16(rng):
+    dtype = low_precision_dtype("bfloat16")
+    query, key, value = dpa_inputs(rng, dtype=dtype)
+    bias = rng.standard_normal((1, 4, 21, 27)).astype(dtype)
+    grad = jax.grad(lambda b: jnp.sum(cj.dot_product_attention(query, key, value, b) ** 2))(bias)
+    expected = jax.grad(lambda b: jnp.sum(
+        jax.nn.dot_product_attention(query, key, value, b).astype(np.float32) ** 2))(bias)
+    assert grad.dtype == dtype
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(expected, np.float32),
+                               rtol=0.1, atol=0.05 * float(np.abs(np.asarray(expected,
+                                                                               np.float32)).max()))
