@@ -201,11 +201,14 @@ DPA_CASES = {
     "mask": {"mask": (2, 1, 21, 27)},
     "lengths": {"query_seq_lengths": [21, 13], "key_value_seq_lengths": [27, 9]},
     "scale": {"scale": 0.37, "is_causal": True},
+    "causal T > S": {"is_causal": True, "sizes": (27, 21)},  # cpuflash's window, right = 6
+    "window T > S": {"local_window_size": (2, 1), "sizes": (27, 21)},
 }
 
 
 def dpa_keywords(rng, case, dtype):
     keywords = dict(DPA_CASES[case])
+    keywords.pop("sizes", None)
     if "bias" in keywords:
         keywords["bias"] = rng.standard_normal(keywords["bias"]).astype(dtype)
     if "mask" in keywords:
@@ -239,12 +242,13 @@ def seen_rows(query, key, keywords):
 
 @pytest.mark.parametrize("case", DPA_CASES)
 def test_dot_product_attention_matches_jax(rng, case):
-    query, key, value = dpa_inputs(rng)
+    t, s = DPA_CASES[case].get("sizes", (21, 27))
+    query, key, value = dpa_inputs(rng, t=t, s=s)
     keywords = dpa_keywords(rng, case, np.float32)
     got = jax.jit(lambda q, k, v: cj.dot_product_attention(q, k, v, **keywords))(
         query, key, value)
     expected = jax.nn.dot_product_attention(query, key, value, **keywords)
-    seen = np.broadcast_to(seen_rows(query, key, keywords), (2, 4, 21))
+    seen = np.broadcast_to(seen_rows(query, key, keywords), (2, 4, t))
     seen = np.swapaxes(seen, 1, 2)  # (B, T, N)
     got, expected = np.asarray(got), np.asarray(expected)
     np.testing.assert_allclose(got[seen], expected[seen], rtol=2e-5, atol=2e-5)
@@ -274,14 +278,15 @@ def test_dot_product_attention_three_dims_and_half(rng):
 
 
 GRAD_CASES = ["plain", "causal", "window", "left only", "bias B N T S", "bias 1 N 1 S",
-              "bias B 1 1 S + causal", "mask", "lengths"]
+              "bias B 1 1 S + causal", "mask", "lengths", "causal T > S"]
 
 
 @pytest.mark.parametrize("case", GRAD_CASES)
 def test_dot_product_attention_grad_float64(rng, case):
     """Gradients (bias included) equal jax's own autodiff of jax.nn.dot_product_attention."""
     with x64():
-        query, key, value = dpa_inputs(rng, dtype=np.float64)
+        t, s = DPA_CASES[case].get("sizes", (21, 27))
+        query, key, value = dpa_inputs(rng, t=t, s=s, dtype=np.float64)
         keywords = dpa_keywords(rng, case, np.float64)
         bias = keywords.pop("bias", None)
         w = rng.standard_normal(query.shape)
