@@ -11,7 +11,7 @@ the benchmarks can show what the FA-2 loop order buys.
 
 import numpy as np
 
-__all__ = ["attention_reference", "attention_fa1", "naive_attention"]
+__all__ = ["attention_reference", "scores", "attention_fa1", "naive_attention"]
 
 
 def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
@@ -28,13 +28,49 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softc
     dtype = np.dtype(dtype)
     if layout == "bshd":  # (B, N, H, D) -> (B, H, N, D)
         q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    s, visible = scores(q, k, causal=causal, scale=scale, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes, bias=bias, mask=mask, dtype=dtype)
+    v = v.astype(dtype)
+    n_k = k.shape[-2]
+    group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
+    if group > 1:  # GQA / MQA: query head h reads kv head h // group
+        v = np.repeat(v, group, axis=-3)
+
+    # 6. softmax over the visible keys; a row with none gives 0 (lse -inf), as flash-attn does
+    row_max = s.max(axis=-1, keepdims=True) if n_k else np.full(s.shape[:-1] + (1,), -np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=dtype)[:, None, None]
+        row_max = np.maximum(row_max, sink)
+    shift = np.where(row_max == -np.inf, 0, row_max)
+    p = np.exp(s - shift)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + np.exp(sink - shift)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = _visible_sum(p, v, visible) / row_sum
+        lse = (shift + np.log(row_sum))[..., 0]
+    out = np.where(row_sum == 0, 0, out).astype(dtype)
+    if layout == "bshd":
+        out = np.swapaxes(out, 1, 2)
+    return (out, lse.astype(dtype)) if return_lse else out
+
+
+def scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+           bias=None, mask=None, dtype=np.float64):
+    """Steps 1-5 of the score pipeline, densely: ``(s, visible)``.
+
+    `q` is ``(..., Hq, Nq, D)`` and `k` ``(..., Hk, Nk, D)`` (``layout="bhsd"``); the other
+    arguments are those of `cpuflash.attention`. `s` is ``(..., Hq, Nq, Nk)`` in `dtype`, with
+    ``-inf`` where the key is not visible; `visible` is a bool array broadcastable to it. The
+    softmax of `attention_reference` and the bias gradient of `cpuflash.jax` start from here.
+    """
+    dtype = np.dtype(dtype)
+    q, k = np.asarray(q).astype(dtype), np.asarray(k).astype(dtype)
     n_q, d = q.shape[-2:]
     n_k = k.shape[-2]
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if group > 1:  # GQA / MQA: query head h reads kv head h // group
         k = np.repeat(k, group, axis=-3)
-        v = np.repeat(v, group, axis=-3)
     scale = 1.0 / np.sqrt(d) if scale is None else scale
 
     # 1. scaled dot products
@@ -66,24 +102,7 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softc
     if mask is not None:
         visible = visible & np.asarray(mask, dtype=bool)
     s = np.where(visible, s, -np.inf)
-
-    # 6. softmax over the visible keys; a row with none gives 0 (lse -inf), as flash-attn does
-    row_max = s.max(axis=-1, keepdims=True) if n_k else np.full(s.shape[:-1] + (1,), -np.inf)
-    if sinks is not None:
-        sink = np.asarray(sinks, dtype=dtype)[:, None, None]
-        row_max = np.maximum(row_max, sink)
-    shift = np.where(row_max == -np.inf, 0, row_max)
-    p = np.exp(s - shift)
-    row_sum = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        row_sum = row_sum + np.exp(sink - shift)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = _visible_sum(p, v, visible) / row_sum
-        lse = (shift + np.log(row_sum))[..., 0]
-    out = np.where(row_sum == 0, 0, out).astype(dtype)
-    if layout == "bshd":
-        out = np.swapaxes(out, 1, 2)
-    return (out, lse.astype(dtype)) if return_lse else out
+    return s, visible
 
 
 def _visible_sum(p, v, visible):
