@@ -1,7 +1,7 @@
 """cpuflash for torch: differentiable attention on CPU tensors, as torch custom operators.
 
-``import cpuflash.torch`` needs torch (``pip install "cpuflash[torch]"``); ``import cpuflash``
-alone never imports it. Two operators are registered with `torch.library`:
+``import cpuflash.torch`` needs torch (``pip install -e ".[torch]"`` in a clone); ``import
+cpuflash`` alone never imports it. Two operators are registered with `torch.library`:
 
 - ``cpuflash::attention`` returns ``(out, lse)``;
 - ``cpuflash::attention_backward`` returns ``(dq, dk, dv, dsinks)``;
@@ -20,13 +20,12 @@ from typing import Optional
 
 import numpy as np
 
+from . import _extras, api
+
 try:
     import torch
 except ImportError as exc:
-    raise ImportError("cpuflash.torch needs torch (pip install \"cpuflash[torch]\"); the rest of "
-                      "cpuflash works without it") from exc
-
-from . import api
+    raise _extras.missing("cpuflash.torch", "torch", "torch") from exc
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 

