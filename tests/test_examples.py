@@ -52,3 +52,27 @@ def test_example_runs_small(script):
     assert result.returncode == 0, (
         f"{script.name} --small exited {result.returncode}\n"
         f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+
+
+def run_example_code(code, needs):
+    """Run `code` in a fresh interpreter from the repository root, skipping without `needs`."""
+    for package in needs:
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    result = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES_DIR.parent,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_hf_embeddings_sentences_all_differ():
+    """Its "most similar pairs" were identical sentences when the list cycled."""
+    out = run_example_code(
+        "import runpy\n"
+        "example = runpy.run_path('examples/hf_embeddings.py')\n"
+        "texts = example['sentences'](example['MOST_SENTENCES'])\n"
+        "print(len(texts), len(set(texts)), example['MOST_SENTENCES'] >= 64)\n",
+        needs=())
+    assert out.split() == ["240", "240", "True"], out
+
