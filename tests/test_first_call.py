@@ -24,6 +24,15 @@ FIRST_CALL = """
     out = cpuflash.attention(x, x, x, causal=True)
     print("layer", numba.threading_layer(), "finite", bool(np.isfinite(out).all()))
 """
+FIRST_BACKWARD = """
+    import numpy as np, cpuflash
+    from cpuflash.kernels.backward import fa2_backward
+    x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
+    out, lse = cpuflash.attention(x, x, x, causal=True, return_lse=True)
+    grads = cpuflash.attention_backward(x, x, x, out, out, lse, causal=True)
+    [kernel] = fa2_backward._dispatchers.values()
+    print("loaded", bool(kernel.stats.cache_hits) and not kernel.stats.cache_misses)
+"""
 
 
 def notices(stderr):
@@ -56,11 +65,15 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     assert warmup.returncode == 0, explain(warmup)
     assert "float32   attention" in warmup.stdout and "KV-cache decoding" in warmup.stdout
+    assert "float32   attention backward" in warmup.stdout, explain(warmup)
     assert str(tmp_path / "cache") in warmup.stdout, explain(warmup)
     assert notices(warmup.stderr) == [], "warmup says what it compiles itself"
     assert "float32   split merge" in warmup.stdout and "float64   split merge" in warmup.stdout
     later = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
     assert later.returncode == 0 and later.stderr == "", explain(later)
+    backward = run_python(FIRST_BACKWARD, env=env, cwd=str(tmp_path), timeout=600)
+    assert backward.returncode == 0 and "loaded True" in backward.stdout, explain(backward)
+    assert backward.stderr == "", explain(backward)
     split = run_python(SPLIT_DECODE, env=env, cwd=str(tmp_path), timeout=600)
     assert split.returncode == 0 and "merged True" in split.stdout, explain(split)
     assert split.stderr == "", explain(split)
