@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import numba
 import numpy as np
@@ -153,16 +154,17 @@ def _tiny(x, out):
     out[0] = x[0] + 1.0
 
 
+def _tiny_signature(dtype):
+    return numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))
+
+
 @pytest.fixture
-def tiny_kernel(monkeypatch):
-    """A kernel whose compile always outlasts the notice delay, and a fresh notice state."""
-    monkeypatch.setattr(_jit, "NOTICE_AFTER", 0.0)
+def tiny_kernel(monkeypatch, tmp_path):
+    """A kernel with a cold cache of its own, watched closely, and a fresh notice state."""
+    monkeypatch.setattr(_jit, "NOTICE_POLL", 0.001)
     monkeypatch.setattr(_jit, "_noticed", threading.Event())
-
-    def signature(dtype):
-        return numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))
-
-    return _jit.Kernel(_tiny, signature, "test", parallel=False)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # Numba's locator for tests/
+    return _jit.Kernel(_tiny, _tiny_signature, "test", parallel=False)
 
 
 def test_the_compile_notice_is_one_line_once_per_process(tiny_kernel, capsys, monkeypatch):
@@ -173,6 +175,28 @@ def test_the_compile_notice_is_one_line_once_per_process(tiny_kernel, capsys, mo
         assert out[0] == 2.0
     lines = notices(capsys.readouterr().err)
     assert len(lines) == 1 and "float32 test kernel" in lines[0], lines
+
+
+def test_a_slow_load_from_the_cache_gives_no_notice(tiny_kernel, capsys, monkeypatch):
+    """The notice is for a compile: a load slower than the old one-second threshold (a busy
+    machine, a slow disk) once printed it too."""
+    from numba.core import caching
+
+    monkeypatch.delenv("CPUFLASH_QUIET", raising=False)
+    tiny_kernel.specialize(np.dtype(np.float32))  # compiles and saves
+    capsys.readouterr()
+    monkeypatch.setattr(_jit, "_noticed", threading.Event())
+    load = caching.Cache.load_overload
+
+    def slow_load(self, *args, **kwargs):
+        time.sleep(1.2)  # past the one second after which a notice used to be printed
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(caching.Cache, "load_overload", slow_load)
+    again = _jit.Kernel(_tiny, _tiny_signature, "test", parallel=False)
+    dispatcher = again.specialize(np.dtype(np.float32))
+    assert dispatcher.stats.cache_hits and not dispatcher.stats.cache_misses
+    assert notices(capsys.readouterr().err) == []
 
 
 @pytest.mark.parametrize("value", ["1", "yes"])
