@@ -10,7 +10,8 @@ Usage
     process; print a markdown table and write ``bench.json``, ``bench.md`` and ``bench.png``
     to ``DIR``. Needs a source checkout: the runner is the repository's ``bench/runner.py``.
 ``python -m cpuflash warmup [--dtype DTYPE ...]``
-    Compile and cache the kernels ahead of the first call; print what and where.
+    Compile and cache the kernels (forward, backward, decoding) ahead of the first call; print
+    what and where.
 """
 
 import argparse
@@ -165,7 +166,8 @@ WARMUP_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 def _warmup(arguments):
-    """Compile (or load from the cache) the attention and decoding kernels of each dtype."""
+    """Compile (or load from the cache) the attention, backward and decoding kernels of each
+    dtype."""
     import time
 
     import numpy as np
@@ -184,7 +186,10 @@ def _warmup(arguments):
 
             dtype = np.dtype(ml_dtypes.bfloat16)
         x = np.zeros((1, 1, 4, 8), dtype)
+        lse = np.zeros(x.shape[:-1], np.float64 if dtype == np.float64 else np.float32)
         for what, call in (("attention", lambda: cpuflash.attention(x, x, x)),
+                           ("attention backward",
+                            lambda: cpuflash.attention_backward(x, x, x, x, x, lse)),
                            ("KV-cache decoding",
                             lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))):
             start = time.perf_counter()
@@ -258,10 +263,10 @@ def build_parser():
 
     warmup = commands.add_parser(
         "warmup", help="compile and cache the kernels ahead of the first call",
-        description="Compile the attention and KV-cache decoding kernels for the given dtypes "
-                    "(or load them from the cache) so that the first call of a later process "
-                    "does not wait for Numba, e.g. in a container build step. Prints what it "
-                    "compiled and where the cache is.")
+        description="Compile the attention, attention backward and KV-cache decoding kernels "
+                    "for the given dtypes (or load them from the cache) so that the first call "
+                    "of a later process does not wait for Numba, e.g. in a container build "
+                    "step. Prints what it compiled and where the cache is.")
     warmup.add_argument("--dtype", nargs="+", type=_dtype_name, default=["float32"],
                         metavar="DTYPE",
                         help=f"{', '.join(WARMUP_DTYPES)} or all (default: float32; bfloat16 "

@@ -195,9 +195,8 @@ def array(dtype, ndim, readonly=False):
     return types.Array(numba.from_dtype(dtype), ndim, "A", readonly=readonly)
 
 
-# A compile takes seconds, a load from the cache a tenth of one: a compile is what is still
-# running after this long, and only then is the user told.
-NOTICE_AFTER = 1.0
+# How often the notice's watcher asks the dispatcher whether it missed the cache
+NOTICE_POLL = 0.05
 _noticed = threading.Event()
 
 
@@ -234,14 +233,31 @@ class Kernel:
         return dispatcher
 
     def _compile(self, key):
-        sig = self._signature(key)
-        notice = threading.Timer(NOTICE_AFTER, _tell_compiling, (self.name, key))
-        notice.daemon = True
-        notice.start()
+        """What ``numba.njit(sig)`` does, with a watcher that tells the user once the
+        dispatcher has missed the cache: a compile, never a load, however slow the load."""
+        dispatcher = numba.njit(parallel=self._parallel, **OPTIONS)(self._pyfunc)  # lazy
+        done = threading.Event()
+        watcher = threading.Thread(target=_notice_on_compile,
+                                   args=(dispatcher, done, self.name, key), daemon=True)
+        watcher.start()
         try:
-            return numba.njit(sig, parallel=self._parallel, **OPTIONS)(self._pyfunc)
+            dispatcher.compile(self._signature(key))
         finally:
-            notice.cancel()
+            done.set()
+        dispatcher.disable_compile()
+        return dispatcher
+
+
+def _notice_on_compile(dispatcher, done, name, key):
+    """Tell the user (`_tell_compiling`) if `dispatcher` compiles before `done` is set.
+
+    Numba counts a cache miss just before it starts compiling (a load that fails counts one
+    too, and is followed by a compile); a load from the cache counts none.
+    """
+    while not done.wait(NOTICE_POLL):
+        if dispatcher.stats.cache_misses:
+            _tell_compiling(name, key)
+            return
 
 
 def _tell_compiling(name, key):
@@ -252,8 +268,10 @@ def _tell_compiling(name, key):
     dtype = np.dtype(key[0] if isinstance(key, tuple) else key).name
     where = cache_location()[0]
     kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
-    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (a few seconds; "
-          f"{kept}; CPUFLASH_QUIET=1 hides this line)", file=sys.stderr, flush=True)
+    # the time: measured (docs/performance.md, "Compile time"), quoted in the README too
+    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (25-40 s per kernel "
+          f"on a 2-core AVX2 EPYC; {kept}; CPUFLASH_QUIET=1 hides this line)", file=sys.stderr,
+          flush=True)
 
 
 def _serialized(dispatcher):

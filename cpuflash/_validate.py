@@ -50,11 +50,13 @@ def as_array(name, x):
     torch = sys.modules.get("torch")  # never imported here: a tensor means torch is loaded
     if torch is not None and isinstance(x, torch.Tensor):
         x = _without_grad(name, x, torch)
-        if type(x) is torch.Tensor:  # what numpy.asarray returns for it, at half the cost
-            try:
-                return x.numpy()
-            except Exception:  # noqa: BLE001 - numpy.asarray below says why
-                pass
+        try:  # .numpy(): what numpy.asarray returns for a plain tensor, at half the cost
+            return x.numpy() if type(x) is torch.Tensor else np.asarray(x)
+        except Exception as exc:  # noqa: BLE001 - bfloat16, or not on the CPU
+            dtype = str(x.dtype).removeprefix("torch.")
+            _fail(TypeError, f"`{name}` is a torch {dtype} tensor on {x.device}, which numpy "
+                             f"cannot view ({exc}): `cpuflash.torch.attention` takes CPU "
+                             f"tensors of every float dtype, bfloat16 included")
     elif isinstance(x, (list, tuple, numbers.Number, str, bytes)) or x is None:
         _fail(TypeError, f"`{name}` must be an array, got {type(x).__name__}")
     try:

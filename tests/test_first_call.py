@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import numba
 import numpy as np
@@ -23,6 +24,15 @@ FIRST_CALL = """
     x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
     out = cpuflash.attention(x, x, x, causal=True)
     print("layer", numba.threading_layer(), "finite", bool(np.isfinite(out).all()))
+"""
+FIRST_BACKWARD = """
+    import numpy as np, cpuflash
+    from cpuflash.kernels.backward import fa2_backward
+    x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
+    out, lse = cpuflash.attention(x, x, x, causal=True, return_lse=True)
+    grads = cpuflash.attention_backward(x, x, x, out, out, lse, causal=True)
+    [kernel] = fa2_backward._dispatchers.values()
+    print("loaded", bool(kernel.stats.cache_hits) and not kernel.stats.cache_misses)
 """
 
 
@@ -56,11 +66,15 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     assert warmup.returncode == 0, explain(warmup)
     assert "float32   attention" in warmup.stdout and "KV-cache decoding" in warmup.stdout
+    assert "float32   attention backward" in warmup.stdout, explain(warmup)
     assert str(tmp_path / "cache") in warmup.stdout, explain(warmup)
     assert notices(warmup.stderr) == [], "warmup says what it compiles itself"
     assert "float32   split merge" in warmup.stdout and "float64   split merge" in warmup.stdout
     later = run_python(FIRST_CALL, env=env, cwd=str(tmp_path), timeout=600)
     assert later.returncode == 0 and later.stderr == "", explain(later)
+    backward = run_python(FIRST_BACKWARD, env=env, cwd=str(tmp_path), timeout=600)
+    assert backward.returncode == 0 and "loaded True" in backward.stdout, explain(backward)
+    assert backward.stderr == "", explain(backward)
     split = run_python(SPLIT_DECODE, env=env, cwd=str(tmp_path), timeout=600)
     assert split.returncode == 0 and "merged True" in split.stdout, explain(split)
     assert split.stderr == "", explain(split)
@@ -140,16 +154,17 @@ def _tiny(x, out):
     out[0] = x[0] + 1.0
 
 
+def _tiny_signature(dtype):
+    return numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))
+
+
 @pytest.fixture
-def tiny_kernel(monkeypatch):
-    """A kernel whose compile always outlasts the notice delay, and a fresh notice state."""
-    monkeypatch.setattr(_jit, "NOTICE_AFTER", 0.0)
+def tiny_kernel(monkeypatch, tmp_path):
+    """A kernel with a cold cache of its own, watched closely, and a fresh notice state."""
+    monkeypatch.setattr(_jit, "NOTICE_POLL", 0.001)
     monkeypatch.setattr(_jit, "_noticed", threading.Event())
-
-    def signature(dtype):
-        return numba.void(_jit.array(dtype, 1), _jit.array(dtype, 1))
-
-    return _jit.Kernel(_tiny, signature, "test", parallel=False)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))  # Numba's locator for tests/
+    return _jit.Kernel(_tiny, _tiny_signature, "test", parallel=False)
 
 
 def test_the_compile_notice_is_one_line_once_per_process(tiny_kernel, capsys, monkeypatch):
@@ -160,6 +175,28 @@ def test_the_compile_notice_is_one_line_once_per_process(tiny_kernel, capsys, mo
         assert out[0] == 2.0
     lines = notices(capsys.readouterr().err)
     assert len(lines) == 1 and "float32 test kernel" in lines[0], lines
+
+
+def test_a_slow_load_from_the_cache_gives_no_notice(tiny_kernel, capsys, monkeypatch):
+    """The notice is for a compile: a load slower than the old one-second threshold (a busy
+    machine, a slow disk) once printed it too."""
+    from numba.core import caching
+
+    monkeypatch.delenv("CPUFLASH_QUIET", raising=False)
+    tiny_kernel.specialize(np.dtype(np.float32))  # compiles and saves
+    capsys.readouterr()
+    monkeypatch.setattr(_jit, "_noticed", threading.Event())
+    load = caching.Cache.load_overload
+
+    def slow_load(self, *args, **kwargs):
+        time.sleep(1.2)  # past the one second after which a notice used to be printed
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(caching.Cache, "load_overload", slow_load)
+    again = _jit.Kernel(_tiny, _tiny_signature, "test", parallel=False)
+    dispatcher = again.specialize(np.dtype(np.float32))
+    assert dispatcher.stats.cache_hits and not dispatcher.stats.cache_misses
+    assert notices(capsys.readouterr().err) == []
 
 
 @pytest.mark.parametrize("value", ["1", "yes"])

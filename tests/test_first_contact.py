@@ -247,3 +247,32 @@ def test_tensors_without_grad_or_under_no_grad_work(torch, rng):
                                           expected)
     np.testing.assert_array_equal(
         cpuflash.attention(q_grad.detach(), k, v, causal=True), expected)
+
+
+# -- an adapter without its optional dependencies
+
+@pytest.mark.parametrize("adapter, blocked, extra", [
+    ("cpuflash.torch", "torch", "torch"),
+    ("cpuflash.transformers", "transformers", "transformers"),
+    ("cpuflash.distributed", "mpi4py", "mpi"),
+])
+def test_a_missing_extra_gets_the_command_that_installs_it(monkeypatch, adapter, blocked, extra):
+    """cpuflash is installed from a clone: `pip install "cpuflash[torch]"` would find nothing."""
+    import importlib
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # `import <blocked>` raises ImportError
+    monkeypatch.delitem(sys.modules, adapter, raising=False)
+    with pytest.raises(ImportError, match=rf"^{adapter} needs .*: in your clone of cpuflash, "
+                                          rf"pip install -e \"\.\[{extra}\]\""):
+        importlib.import_module(adapter)
+
+
+def test_a_tensor_numpy_cannot_view_points_to_cpuflash_torch(torch, rng):
+    q, k, v = (torch.from_numpy(x) for x in call_args(rng)[cpuflash.attention])
+    with pytest.raises(TypeError, match=r"`q` is a torch bfloat16 tensor on cpu, which "
+                                        r"numpy cannot view \(.*BFloat16.*\): "
+                                        r"`cpuflash\.torch\.attention` takes CPU tensors of "
+                                        r"every float dtype, bfloat16 included"):
+        cpuflash.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    with pytest.raises(TypeError, match=r"`bias` is a torch float32 tensor on meta"):
+        cpuflash.attention(q, k, v, bias=torch.zeros(6, 6, device="meta"))

@@ -99,9 +99,11 @@ def test_gradcheck_sdpa_masks(gen):
     float_mask = torch.randn(2, 1, 5, 7, generator=gen, dtype=torch.float64)
     assert torch.autograd.gradcheck(
         lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask), (q, k, v))
+    # a mask with is_causal=True: torch 2.14 refuses it (test_sdpa_mask_with_is_causal_as_torch)
+    causal = ct.MASK_WITH_CAUSAL
     assert torch.autograd.gradcheck(
         lambda q, k, v: ct.scaled_dot_product_attention(q, k, v, attn_mask=float_mask,
-                                                        is_causal=True), (q, k, v))
+                                                        is_causal=causal), (q, k, v))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,16 +135,21 @@ def test_opcheck_backward(gen):
 # ------------------------------------------------------------------------------------------------
 # the drop-in against torch's own SDPA (float32 values and gradients)
 
-def compare_sdpa(q, k, v, **keywords):
+def compare_sdpa(q, k, v, tolerance=None, **keywords):
     """Outputs and gradients of the drop-in and of torch's SDPA, for the same inputs."""
     results = []
     for fn in (ct.scaled_dot_product_attention, F.scaled_dot_product_attention):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         out = fn(*leaves, **keywords)
-        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         results.append([out.detach()] + [x.grad for x in leaves])
     for ours, theirs in zip(*results):
-        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        if tolerance is None:
+            torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+        else:
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=0,
+                                       atol=tolerance * theirs.float().abs().max().item())
     return results[0][0]
 
 
@@ -152,6 +159,20 @@ def test_sdpa_is_causal_top_left(gen, n_q, n_k):
     compare_sdpa(q, k, v, is_causal=True)
 
 
+def compare_or_refuse(q, k, v, **keywords):
+    """The drop-in gives what the installed torch's SDPA gives, or refuses what it refuses."""
+    try:
+        F.scaled_dot_product_attention(q, k, v, **keywords)
+    except RuntimeError as exc:
+        assert "attn_mask" in str(exc) and "is_causal" in str(exc), exc
+        with pytest.raises(ValueError, match=r"`attn_mask` must be None when is_causal=True: "
+                                             r"torch 2\.1\d.* refuses both"):
+            ct.scaled_dot_product_attention(q, k, v, **keywords)
+        return "refused"
+    compare_sdpa(q, k, v, **keywords)
+    return "applied"
+
+
 def test_sdpa_masks_scale_and_gqa(gen):
     q, k, v = qkv(gen, n_q=6, n_k=9, heads_q=6, heads_k=2, dtype=torch.float32)
     bool_mask = torch.rand(2, 1, 6, 9, generator=gen) < 0.7
@@ -159,15 +180,45 @@ def test_sdpa_masks_scale_and_gqa(gen):
     float_mask = torch.randn(6, 9, generator=gen)
     compare_sdpa(q, k, v, attn_mask=bool_mask, enable_gqa=True)
     compare_sdpa(q, k, v, attn_mask=float_mask, enable_gqa=True, scale=0.2)
-    compare_sdpa(q, k, v, attn_mask=bool_mask, is_causal=True, enable_gqa=True)
-    compare_sdpa(q, k, v, attn_mask=float_mask, is_causal=True, enable_gqa=True)
+    compare_sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=float_mask,
+                 enable_gqa=True, tolerance=2e-2)  # a float32 mask on bfloat16 inputs, as torch
 
 
-def test_sdpa_broadcasts_like_torch(gen):
-    q = randn(gen, 2, 4, 5, 8, dtype=torch.float32)
-    k, v = randn(gen, 1, 1, 7, 8, dtype=torch.float32), randn(gen, 1, 1, 7, 8, dtype=torch.float32)
-    compare_sdpa(q, k, v)
-    compare_sdpa(q[0], k[0], v[0], is_causal=True)  # 3-D inputs
+def test_sdpa_mask_with_is_causal_as_torch(gen):
+    """torch 2.13 applies both; 2.14 refuses both (a RuntimeError there, a ValueError here)."""
+    q, k, v = qkv(gen, n_q=6, n_k=9, heads_q=6, heads_k=2, dtype=torch.float32)
+    bool_mask = torch.rand(2, 1, 6, 9, generator=gen) < 0.7
+    bool_mask[..., 0] = True
+    float_mask = torch.randn(6, 9, generator=gen)
+    done = {compare_or_refuse(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True)
+            for mask in (bool_mask, float_mask)}
+    assert done == {"applied" if torch.__version__ < (2, 14) else "refused"}
+    assert ct.MASK_WITH_CAUSAL == (done == {"applied"})
+
+
+BROADCASTS = {  # query, key, value shapes (E = 8) that torch broadcasts, and enable_gqa
+    "k/v batch 1, heads 1": ((2, 4, 5), (1, 1, 7), (1, 1, 7), False),
+    "3-D": ((4, 5), (1, 7), (1, 7), False),
+    "4-D query, 3-D key/value": ((2, 4, 5), (4, 7), (4, 7), False),
+    "4-D query, 2-D key/value": ((2, 4, 5), (7,), (7,), False),
+    "3-D query, 4-D key/value": ((4, 5), (2, 4, 7), (2, 4, 7), False),
+    "query heads broadcast": ((2, 1, 5), (1, 3, 7), (1, 3, 7), False),
+    "5-D query, 4-D key/value": ((3, 2, 4, 5), (2, 4, 7), (2, 4, 7), False),
+    "key batch 2, value batch 1": ((2, 4, 5), (2, 4, 7), (1, 4, 7), False),
+    "2-D": ((5,), (7,), (7,), False),
+    "gqa, 4-D query, 3-D key/value": ((2, 4, 5), (2, 7), (2, 7), True),
+    "gqa, key 2 heads, value 1": ((4, 5), (2, 7), (1, 7), True),
+    "gqa, key 2 heads, value 4": ((4, 5), (2, 7), (4, 7), True),
+}
+
+
+@pytest.mark.parametrize("case", BROADCASTS, ids=str)
+def test_sdpa_broadcasts_like_torch(gen, case):
+    *shapes, gqa = BROADCASTS[case]
+    q, k, v = (randn(gen, *shape, 8, dtype=torch.float32) for shape in shapes)
+    out = compare_sdpa(q, k, v, enable_gqa=gqa)
+    assert out.shape == F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa).shape
+    compare_sdpa(q, k, v, enable_gqa=gqa, is_causal=True)
 
 
 def test_sdpa_fully_masked_rows_as_torch(gen):
@@ -178,7 +229,7 @@ def test_sdpa_fully_masked_rows_as_torch(gen):
     float_mask[4] = float("-inf")
     for mask, row in ((bool_mask, 2), (float_mask, 4)):
         out = compare_sdpa(q, k, v, attn_mask=mask)
-        assert torch.equal(out[:, :, row], torch.zeros_like(out[:, :, row]))  # torch 2.13: 0
+        assert torch.equal(out[:, :, row], torch.zeros_like(out[:, :, row]))  # torch 2.13-14: 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,10 +301,23 @@ def test_heads_differ_without_enable_gqa(gen):
         ct.scaled_dot_product_attention(q, k, v)
 
 
-def test_sdpa_axes_must_agree(gen):
-    q, k, v = qkv(gen)
-    with pytest.raises(ValueError, match=r"same number of axes"):
-        ct.scaled_dot_product_attention(q, k[0], v[0])
+def test_sdpa_shapes_torch_refuses(gen):
+    q, k, v = qkv(gen, heads_q=4, heads_k=2)
+    with pytest.raises(ValueError, match=r"`key` must have at least 2 axes.*got shape \(8,\)"):
+        ct.scaled_dot_product_attention(q, k[0, 0, 0], v)
+    with pytest.raises(ValueError, match=r"leading axes of `query`, `key` and `value` must "
+                                         r"broadcast.*`key` \(3, 2, 7, 8\)"):
+        ct.scaled_dot_product_attention(q, k[:1].expand(3, 2, 7, 8), v, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"heads of `key` and `value` must divide those of "
+                                         r"`query`"):
+        ct.scaled_dot_product_attention(q[:, :3], k, v, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"enable_gqa=True needs a heads axis"):
+        ct.scaled_dot_product_attention(q, k[0, 0], v[0, 0], enable_gqa=True)
+    with pytest.raises(TypeError, match=r"`attn_mask` must be bool, float32 or the dtype of "
+                                        r"`query` \(torch.float64\), as in torch, got "
+                                        r"torch.int64"):
+        ct.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.long),
+                                        enable_gqa=True)
 
 
 def test_non_cpu_tensors_are_refused(gen):

