@@ -4,7 +4,7 @@ import numba
 import numpy as np
 from numba.np.ufunc import parallel as _numba_parallel
 
-from . import _backward, _combine, _kvcache, _plans, _schedule, _validate, tiling
+from . import _backward, _combine, _kvcache, _plans, _quantize, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
@@ -225,7 +225,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     """
     key = None
     if (block_table is None and alibi_slopes is None and sinks is None
-            and (k is None) == (v is None)):
+            and (k is None) == (v is None) and not isinstance(k_cache, _quantize.QuantizedKV)
+            and not isinstance(v_cache, _quantize.QuantizedKV)):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
         k_cache = _validate.as_array("k_cache", k_cache)
@@ -249,12 +250,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         call.lse[...] = -np.inf
         return call.result(return_lse)
     group = call.n_heads // call.n_kv_heads
-    if group * call.n_q <= tiling.DECODE_MAX_ROWS:
+    # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
+    # the FA-2 kernel would need a float copy)
+    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
         setup = _Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
         _decode(setup, call.q, call.k, call.v, call.n_keys, call.n_k, call.out_bhsd, call.lse,
-                call.sinks)
+                call.sinks, scales=(call.k_scale, call.v_scale))
     else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
         if call.paged:
             call.k, call.v = _kvcache.gather_pages(call)
@@ -283,6 +286,52 @@ def merge_states(outs, lses):
         ``log(sum_s exp(lse_s))``; ``-inf`` (and output 0) where no part saw a key.
     """
     return _combine.merge(*_validate.merge_args(outs, lses))
+
+
+QuantizedKV = _quantize.QuantizedKV
+
+
+@_validate.public()
+def quantize_kv(x, dtype="int8"):
+    """Quantize keys or values for an 8-bit KV cache: one symmetric scale per row.
+
+    Parameters
+    ----------
+    x : (..., Hk, N, D) float array
+        Keys or values (any float dtype; read as float32). Each row of D numbers (one token of
+        one head) is quantized on its own.
+    dtype : {"int8", "float8_e4m3"}
+        The 8-bit format: int8, or ``ml_dtypes.float8_e4m3fn`` (needs ml_dtypes).
+
+    Returns
+    -------
+    QuantizedKV(data, scale)
+        ``data`` (..., Hk, N, D) int8 or float8_e4m3fn, ``x / scale`` rounded to nearest
+        (ties to even); ``scale`` (..., Hk, N) float32, the float32 division ``amax / 127``
+        (``/ 448`` for float8_e4m3) of the row's largest magnitude. An all-zero row has scale 0
+        (and dequantizes to 0); a row holding inf or NaN has scale NaN and data 0 (it
+        dequantizes to NaN). Pass one for keys and one for values to
+        `attention_with_kvcache`.
+    """
+    x, name = _validate.quantize_args(x, dtype)
+    return QuantizedKV(*_quantize.quantize_rows(x, name))
+
+
+@_validate.public()
+def dequantize_kv(kq):
+    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row).
+
+    Parameters
+    ----------
+    kq : QuantizedKV
+        ``data`` (..., D) int8 or float8_e4m3fn and ``scale`` (...) float32.
+
+    Returns
+    -------
+    (..., D) float32 array
+    """
+    data, scale, _ = _validate.quantized_value("kq", kq)
+    return _quantize.dequantize_rows(data, scale)
 
 
 # The thread count that decides the key splits of `attention` calls taken by the decode kernel:
@@ -437,12 +486,20 @@ def _thread_count():
     return numba.get_num_threads()
 
 
-def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None):
+# the scales of a float cache (the kernel's quantized steps are skipped)
+_NO_SCALES = np.zeros((0, 0, 0), dtype=np.float32)
+_NO_SCALES.flags.writeable = False
+
+
+def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, scales=None):
     """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
     (and the sinks). `q`, `k`, `v` as the kernels read them; `page_rows`: the cache's rows per
-    page when they are not the setup's (an unpaged cache of another length)."""
+    page when they are not the setup's (an unpaged cache of another length); `scales`: the
+    (k, v) scales of a quantized cache, (pages, Hk, page rows) float32, or None."""
     if page_rows is None:
         page_rows = setup.page_rows
+    k_scale, v_scale = (_NO_SCALES, _NO_SCALES) if scales is None or scales[0] is None \
+        else scales
     n_threads = _thread_count()
     plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
                               setup.head_dim, setup.compute_dtype, setup.num_splits)
@@ -453,8 +510,8 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None):
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = decode.specialize((q.dtype, setup.compute_dtype))
-    kernel(q, k, v, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
+    kernel = decode.specialize((k.dtype, setup.compute_dtype, q.dtype))
+    kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
            setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
            part_out, part_lse, n_threads)
     if plan.n_splits > 1:
