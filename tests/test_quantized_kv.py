@@ -148,9 +148,9 @@ def test_every_8_bit_pattern_widens_exactly():
     bits = np.arange(256, dtype=np.uint8)
     i8 = bits.view(np.int8)
     expected = np.stack([i8.astype(np.float32), bits.view(f8).astype(np.float32)])
-    for widen in (_byte_loads, _widen_scalars):
+    for convert in (_byte_loads, _widen_scalars):
         out = np.zeros((2, 256), np.float32)
-        widen(i8, bits, out)
+        convert(i8, bits, out)
         np.testing.assert_array_equal(out, expected)
         assert np.array_equal(np.signbit(out), np.signbit(expected))  # -0 stays -0
 
