@@ -401,12 +401,14 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         return self._placeholder(self.k_cache), self._placeholder(self.v_cache)
 
     def _make_room(self, shape, d_v, needed):
-        """Grow the arrays to hold `needed` tokens, with a sixteenth (at least 64 tokens) to
-        spare, so that a step rarely copies the cache and the spare stays small."""
+        """Grow the arrays to hold `needed` tokens: exactly for the first (the prompt), then
+        with a sixteenth (at least 64 tokens) to spare, so that a step rarely copies the cache
+        and the spare stays small."""
         have = 0 if self.k_cache is None else self.k_cache.data.shape[2]
         if needed <= have:
             return
-        capacity = needed + max(64, needed // 16)
+        # the prompt's keys exactly; then a sixteenth to spare as the tokens come
+        capacity = needed if have == 0 else needed + max(64, needed // 16)
         grown = []
         for old, d in ((self.k_cache, shape[-1]), (self.v_cache, d_v)):
             empty = api.quantize_kv(np.zeros((shape[0], shape[1], capacity, d), np.float32),
@@ -463,9 +465,8 @@ class QuantizedKVCache(transformers.cache_utils.Cache):
     Pass it as ``past_key_values=`` to a model on the "cpufa" attention implementation
     (`register`). Each layer keeps its keys and values as int8 (or float8_e4m3fn) rows with one
     float32 scale per (token, head), as `cpuflash.quantize_kv` makes them: about 0.27x the bytes
-    of a float32 cache at head dim 64 (0.26x at 128), plus at most a sixteenth spare (64
-    tokens for short sequences). New keys
-    are quantized as they come, and the decode kernel reads the 8-bit rows in place, widening
+    of a float32 cache at head dim 64 (0.26x at 128), plus, once decoding has begun, at most a
+    sixteenth spare (64 tokens for short sequences). New keys are quantized as they come, and the decode kernel reads the 8-bit rows in place, widening
     them in registers (`cpuflash.attention_with_kvcache`). Batches with padding, and
     gradients, attend to a dequantized copy instead.
 
