@@ -5,7 +5,9 @@ are widened to float32 while a tile is packed (or, in the decode kernel, as cach
 loaded), so no full-size float32 copy of q, k or v is ever made, and outputs are rounded back as
 they are stored. `widen` and `narrow` convert one element; `load_widened`, `load_block` and
 `store_narrowed` whole SIMD vectors of rows that `vector_rows` approves. All are generic over the
-array dtype: for float32 and float64 arrays the conversions compile to nothing.
+array dtype: for float32 and float64 arrays the conversions compile to nothing. The 8-bit rows
+of a quantized KV cache (int8, and float8_e4m3fn as its uint8 bits) are widened the same way,
+unscaled: the decode kernel applies their scales to scores and probabilities.
 """
 
 import numpy as np

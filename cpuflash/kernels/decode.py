@@ -22,6 +22,12 @@ consecutive items, each chunk with its buffers allocated once; a call with littl
 them all on the calling thread (`SERIAL_WORK`): at 64 cached keys the launch of the threads
 would cost more than the work, and a decoding step calls the kernel once per layer.
 
+A quantized cache (`cpuflash.quantize_kv`: int8, or float8_e4m3fn read as uint8 bits, with a
+float32 scale per (token, head)) goes through the same code: its rows are widened in registers
+as they are loaded, unscaled, and the scales multiply the scores (keys) and the probabilities
+before ``P V`` (values); see `_decode_items`. The queries are then float32, and the four-row
+micro-kernels serve every head dim.
+
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
 one page per batch entry. The micro-kernels walk a block as runs of consecutive rows, one per
@@ -246,9 +252,14 @@ def _scale_columns(scores, rows, cols, scale, block_table, b, h, start, page_siz
     probability times a NaN scale (that of a non-finite row) must not reach a row that cannot
     see it. Scores keep the product: a NaN scale makes the key's score NaN, as its dequantized
     row would (hidden keys are masked to -inf afterwards)."""
+    index, row = start // page_size, start % page_size  # (no division per key: it cost
+    page = block_table[b, index]                        # as much as the key's arithmetic)
     for c in range(cols):
-        position = start + c
-        factor = scale[block_table[b, position // page_size], h, position % page_size]
+        if row == page_size:
+            index, row = index + 1, 0
+            page = block_table[b, index]
+        factor = scale[page, h, row]
+        row += 1
         for r in range(rows):
             value = scores[r, c]
             if not keep_zeros or value != 0:
@@ -553,7 +564,9 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
                 y1 = load_widened(keys, k1 + x, half_kind)
                 y2 = load_widened(keys, k2 + x, half_kind)
                 y3 = load_widened(keys, k3 + x, half_kind)
-                if ahead:  # the same columns of four later rows
+                # the same columns of four later rows, once per cache line (an 8-bit row has
+                # four vectors to a line)
+                if ahead and x % line_elements(later) == 0:
                     prefetch(later, lk + x)
                     prefetch(later, lk + later_step + x)
                     prefetch(later, lk + 2 * later_step + x)
@@ -712,11 +725,9 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
             v0, v1 = load_widened(values, o, half_kind), load_widened(values, o + n, half_kind)
             v2 = load_widened(values, o + 2 * n, half_kind)
             v3 = load_widened(values, o + 3 * n, half_kind)
-            if j < n_later:  # the same columns of a later row, one cache line per vector
-                prefetch(later, lo + x)
-                prefetch(later, lo + x + n)
-                prefetch(later, lo + x + 2 * n)
-                prefetch(later, lo + x + 3 * n)
+            if j < n_later:  # the same columns of a later row, each cache line once
+                for e in range(0, 4 * n, line_elements(later)):
+                    prefetch(later, lo + x + e)
                 j, lo = _next_position(later_runs, c, j, lo)
             p = vbroadcast(scores, p0 + c)
             a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
