@@ -51,19 +51,20 @@ def quantize_rows(x, name):
     scale 0 and data 0; a row holding inf or NaN gets scale NaN and data 0 (it dequantizes to
     NaN, and NaN propagates through attention as in the float computation)."""
     x = np.asarray(x, dtype=np.float32)
-    amax = np.max(np.abs(x), axis=-1, initial=np.float32(0))
-    scale = (amax / np.float32(QUANT_MAX[name])).astype(np.float32)
-    usable = np.isfinite(scale) & (scale > 0)
-    ratio = np.zeros(x.shape, dtype=np.float32)
-    np.divide(x, scale[..., None], out=ratio, where=usable[..., None])
     limit = np.float32(QUANT_MAX[name])
-    np.clip(ratio, -limit, limit, out=ratio)  # (rounding of the scale may leave 127.00001)
-    scale[~np.isfinite(scale)] = np.nan
-    if name == "int8":
-        data = np.rint(ratio).astype(np.int8)
+    scale = np.asarray(np.max(np.abs(x), axis=-1, initial=np.float32(0)) / limit)
+    if np.all(scale > 0) and np.all(scale < np.inf):  # the common case: few numpy calls
+        ratio = x / scale[..., None]  # at most limit * (1 + 2^-23): rounds to +-limit
     else:
-        data = ratio.astype(float8_dtype())  # ml_dtypes rounds to nearest even
-    return data, scale
+        usable = (scale > 0) & (scale < np.inf)
+        ratio = np.zeros(x.shape, dtype=np.float32)
+        np.divide(x, scale[..., None], out=ratio, where=usable[..., None])
+        scale[~(scale >= 0)] = np.nan  # inf or NaN in the row (NaN fails every comparison)
+        scale[scale == np.inf] = np.nan
+    if name == "int8":
+        return np.rint(ratio).astype(np.int8), scale
+    # (clipped first: past 448 float8_e4m3fn has only NaN; ml_dtypes rounds to nearest even)
+    return np.clip(ratio, -limit, limit).astype(float8_dtype()), scale
 
 
 def dequantize_rows(data, scale):
