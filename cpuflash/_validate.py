@@ -660,8 +660,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
                              **fields)
     # the kernel reads the 8-bit rows in place, widening them itself, and float32 queries (a
     # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
-    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=_bits_view(kc4),
-                         v=_bits_view(vc4), **fields)
+    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=bits_view(kc4),
+                         v=bits_view(vc4), **fields)
     call.half_kind = QUANT_KINDS[quantized]
     call.quantized = quantized
     call.k_scale, call.v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
@@ -669,7 +669,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     return call
 
 
-def _bits_view(data):
+def bits_view(data):
     """An 8-bit cache as the kernels read it: int8 as it is, float8_e4m3fn as its uint8 bits
     (Numba has no float8)."""
     return data if data.dtype == np.int8 else data.view(np.uint8)

@@ -224,20 +224,27 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     kernel with what the earlier call worked out (`cpuflash._plans`).
     """
     key = None
+    scales = _quantized_scales(k_cache, v_cache, cache_seqlens)
     if (block_table is None and alibi_slopes is None and sinks is None
-            and (k is None) == (v is None) and not isinstance(k_cache, _quantize.QuantizedKV)
-            and not isinstance(v_cache, _quantize.QuantizedKV)):
+            and (k is None) == (v is None) and scales is not False):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
-        k_cache = _validate.as_array("k_cache", k_cache)
-        v_cache = _validate.as_array("v_cache", v_cache)
+        if scales is None:
+            k_data = k_cache = _validate.as_array("k_cache", k_cache)
+            v_data = v_cache = _validate.as_array("v_cache", v_cache)
+            kind = "kvcache"
+        else:  # a quantized cache: its scales' shapes and dtypes join the key
+            k_data, v_data = k_cache.data, v_cache.data
+            kind = ("kvcache", scales[0].shape, scales[0].dtype, scales[1].shape,
+                    scales[1].dtype)
         if k is not None:
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
-        key = _decode_key("kvcache", q, k_cache, v_cache, cache_seqlens, causal, scale, window,
+        key = _decode_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,
                           softcap, layout, num_splits, return_lse, k, v)
         setup = _plans.get(key)
         if setup is not None:
-            result = _decode_again(setup, q, k_cache, v_cache, cache_seqlens, return_lse, k, v)
+            result = _decode_again(setup, q, k_data, v_data, cache_seqlens, return_lse, k, v,
+                                   scales)
             if result is not None:
                 return result
     call = _validate.kvcache_args(
@@ -359,6 +366,7 @@ class _Decode:
         self.num_splits = call.num_splits
         self.n_new = 0 if call.new_k is None else call.new_k.shape[2]  # keys written in
         self.plan_threads = plan_threads  # 0: numba's thread count at the call
+        self.quantized = call.quantized  # a quantized cache's format, or None
         if self.block_table is None:  # `attention`: one page of all keys per batch entry
             self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
             self.page_rows = n_max
@@ -370,6 +378,20 @@ class _Decode:
         for array in (self.alibi, self.sinks, self.block_table, self.full_keys):
             array.flags.writeable = False
         return self
+
+
+def _quantized_scales(k_cache, v_cache, cache_seqlens):
+    """None for float caches; (k scale, v scale) for two QuantizedKV caches of numpy arrays
+    given with `cache_seqlens` (the arrays' shapes then are the key's, whole); False for any
+    other call with a QuantizedKV: the full path."""
+    k_quantized = isinstance(k_cache, _quantize.QuantizedKV)
+    v_quantized = isinstance(v_cache, _quantize.QuantizedKV)
+    if not (k_quantized or v_quantized):
+        return None
+    if not (k_quantized and v_quantized and cache_seqlens is not None
+            and k_cache.scale.__class__ is np.ndarray and v_cache.scale.__class__ is np.ndarray):
+        return False
+    return k_cache.scale, v_cache.scale
 
 
 def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
@@ -414,13 +436,16 @@ def _without(shape, axis):
     return shape[:axis] + (None,) + shape[axis + 1:]
 
 
-def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None):
+def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None,
+                  scales=None):
     """A call whose key found `setup`: only the checks that can fail for the same key (values,
     alignment, a writable cache), then the new keys written in and the kernel. None when a
-    check fails: the full path then raises the error."""
-    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+    check fails: the full path then raises the error. `k`, `v`: the cache arrays (a quantized
+    cache's 8-bit data, its (k, v) scales in `scales`)."""
+    arrays = (k, v) if scales is None else (k, v) + tuple(scales)
+    if not (q.flags.aligned and all(x.flags.aligned for x in arrays)):
         return None  # the full path copies them
-    if new_k is not None and not (k.flags.writeable and v.flags.writeable):
+    if new_k is not None and not all(x.flags.writeable for x in arrays):
         return None
     room = setup.n_max - setup.n_new  # the largest valid length
     page_rows = setup.page_rows
@@ -461,16 +486,27 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     else:
         out_user = out_bhsd = np.empty((setup.batch, setup.n_heads, setup.n_q,
                                         setup.head_dim_v), dtype=setup.dtype)
+    if scales is not None and setup.layout == "bshd":
+        scales = tuple(x.swapaxes(1, 2) for x in scales)
     if new_k is not None:  # every check has passed: into each entry's rows after its length
         if setup.layout == "bshd":
             new_k, new_v = new_k.swapaxes(1, 2), new_v.swapaxes(1, 2)
+        if scales is not None:  # quantized first, as the full path writes them
+            (new_k, k_scale), (new_v, v_scale) = (_quantize.quantize_rows(x, setup.quantized)
+                                                  for x in (new_k, new_v))
         for b, start in enumerate(starts):
             k[b, :, start:start + setup.n_new] = new_k[b]
             v[b, :, start:start + setup.n_new] = new_v[b]
-    if setup.half_kind != _validate.NATIVE:
+            if scales is not None:
+                scales[0][b, :, start:start + setup.n_new] = k_scale[b]
+                scales[1][b, :, start:start + setup.n_new] = v_scale[b]
+    if scales is not None:  # as `_validate.kvcache_args` hands them to the kernel
+        q = np.asarray(q, dtype=np.float32)
+        k, v = _validate.bits_view(k), _validate.bits_view(v)
+    elif setup.half_kind != _validate.NATIVE:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
-    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows)
+    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows, scales)
     return (out_user, lse) if return_lse else out_user
 
 

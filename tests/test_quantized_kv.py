@@ -327,3 +327,41 @@ def test_errors_leave_the_caches_unchanged(rng):
         call(q, QuantizedKV(kc.data[0], kc.scale[0]), vc, cache_seqlens=seqlens)
     for now, then in zip((*kc, *vc), before):
         np.testing.assert_array_equal(now, then)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout,dtype", [("bhsd", "float32"), ("bshd", "float16")])
+def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng, fmt, layout, dtype):
+    """The second call with the same shapes and options skips to the kernel (`_plans`): the
+    same results and the same writes as the full path, and its errors as the full path's."""
+    from cpuflash import _plans
+
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, d=64, d_v=32)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    swap = bshd if layout == "bshd" else (lambda x: x)
+
+    def caches():
+        return [QuantizedKV(swap(c.data), swap(c.scale[..., None])[..., 0])
+                for c in (quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt))]
+
+    results = []
+    for fresh in (True, False, False):  # the full path, then twice the plan
+        if fresh:
+            _plans.clear()
+        kc, vc = caches()
+        result = cpuflash.attention_with_kvcache(swap(q), kc, vc, k=swap(k), v=swap(v),
+                                                 cache_seqlens=seqlens, layout=layout,
+                                                 return_lse=True)
+        results.append((result, [x.copy() for x in (*kc, *vc)]))
+    assert _plans._entries  # the plan was stored and found
+    for (result, written_caches) in results[1:]:
+        assert_same_bits(result, results[0][0], "the plan's call")
+        for now, first in zip(written_caches, results[0][1]):
+            assert np.array_equal(now.view(np.uint8), first.view(np.uint8))
+    kc, vc = caches()
+    with pytest.raises(ValueError, match="`cache_seqlens` must lie in"):
+        cpuflash.attention_with_kvcache(swap(q), kc, vc, k=swap(k), v=swap(v),
+                                        cache_seqlens=seqlens + 300, layout=layout)
+    untouched = caches()
+    for now, then in zip((*kc, *vc), (*untouched[0], *untouched[1])):
+        assert np.array_equal(now.view(np.uint8), then.view(np.uint8))
