@@ -8,8 +8,9 @@ when torch is installed, numpy's otherwise), and GB/s are those of the K/V cache
     python bench/test_bench_decode.py [--repeats 20]       # side-by-side ratios in one process
 
 Cases: GQA decode B=1, Hq=32, Hk=8, Nk=16384, D=128, one query row, also with float16 and
-bfloat16 caches (half the bytes); MQA decode (Hq=8, Hk=1) with automatic splits against
-``num_splits=1``.
+bfloat16 caches (half the bytes) and int8 and float8_e4m3 caches (`cpuflash.quantize_kv`: a
+quarter of the bytes, plus a float32 scale per row); MQA decode (Hq=8, Hk=1) with automatic
+splits against ``num_splits=1``.
 """
 
 import os
@@ -53,8 +54,23 @@ def half_dtypes():
     return dtypes
 
 
+def quantized_formats():
+    """The 8-bit cache formats available (float8_e4m3 needs ml_dtypes)."""
+    return ["int8"] + (["float8_e4m3"] if "bfloat16" in half_dtypes() else [])
+
+
+def cache_bytes(cache):
+    """Bytes of a cache array, or of a QuantizedKV's rows and scales."""
+    if isinstance(cache, cpuflash.QuantizedKV):
+        return cache.data.nbytes + cache.scale.nbytes
+    return cache.nbytes
+
+
 def check(out, q, k_cache, v_cache):
-    """flash-attn's rule against the float64 reference of the (possibly rounded) inputs."""
+    """flash-attn's rule against the float64 reference of the (possibly rounded) inputs; for a
+    quantized cache, of the dequantized one."""
+    if isinstance(k_cache, cpuflash.QuantizedKV):
+        k_cache, v_cache = cpuflash.dequantize_kv(k_cache), cpuflash.dequantize_kv(v_cache)
     ref = attention_reference(q, k_cache, v_cache, causal=True)
     plain = attention_reference(q, k_cache, v_cache, causal=True, dtype=np.float32)
     if q.dtype != np.float32:  # the output is rounded to the inputs' precision
@@ -65,7 +81,7 @@ def check(out, q, k_cache, v_cache):
 
 def implementations(q, k_cache, v_cache, halves=False):
     """name -> (call, its inputs), for one case; with `halves`, the same case with float16 and
-    bfloat16 inputs; torch when installed."""
+    bfloat16 inputs and int8 and float8_e4m3 caches; torch when installed."""
     calls = {
         "cpuflash": (lambda: cpuflash.attention_with_kvcache(q, k_cache, v_cache),
                      (q, k_cache, v_cache)),
@@ -75,6 +91,10 @@ def implementations(q, k_cache, v_cache, halves=False):
     }
     for name, dtype in half_dtypes().items() if halves else ():
         inputs = tuple(x.astype(dtype) for x in (q, k_cache, v_cache))
+        calls["cpuflash-" + name] = (
+            lambda inputs=inputs: cpuflash.attention_with_kvcache(*inputs), inputs)
+    for name in quantized_formats() if halves else ():
+        inputs = (q, cpuflash.quantize_kv(k_cache, name), cpuflash.quantize_kv(v_cache, name))
         calls["cpuflash-" + name] = (
             lambda inputs=inputs: cpuflash.attention_with_kvcache(*inputs), inputs)
     if torch is not None:
@@ -99,7 +119,8 @@ def _timed(call):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", ["cpuflash", "cpuflash-1-split", "cpuflash-float16",
-                                  "cpuflash-bfloat16", "torch"])
+                                  "cpuflash-bfloat16", "cpuflash-int8",
+                                  "cpuflash-float8_e4m3", "torch"])
 def test_decode(benchmark, case, name):
     q, k_cache, v_cache = make_case(*CASES[case])
     calls = implementations(q, k_cache, v_cache, halves=True)
@@ -110,7 +131,7 @@ def test_decode(benchmark, case, name):
     benchmark(call)
     if benchmark.stats is not None:
         benchmark.extra_info["cache_gb_per_s"] = (
-            (inputs[1].nbytes + inputs[2].nbytes) / benchmark.stats.stats.min / 1e9)
+            (cache_bytes(inputs[1]) + cache_bytes(inputs[2])) / benchmark.stats.stats.min / 1e9)
 
 
 def main(repeats=20):
@@ -133,7 +154,7 @@ def main(repeats=20):
               f"one query row, best of {repeats}; read bandwidth {bandwidth:.1f} GB/s")
         for name, seconds in best.items():
             inputs = calls[name][1]
-            rate = (inputs[1].nbytes + inputs[2].nbytes) / seconds / 1e9
+            rate = (cache_bytes(inputs[1]) + cache_bytes(inputs[2])) / seconds / 1e9
             print(f"  {name:18} {seconds * 1e3:7.2f} ms  {rate:5.1f} GB/s "
                   f"({rate / bandwidth:4.0%} of the read bandwidth)")
         if "torch" in best:
@@ -143,6 +164,14 @@ def main(repeats=20):
             if "cpuflash-" + name in best:
                 print(f"  {name} / float32 cache time: "
                       f"{best['cpuflash-' + name] / best['cpuflash']:.2f}")
+        for name in quantized_formats():
+            if "cpuflash-" + name in best:
+                against = {"float32": best["cpuflash"]}
+                if "cpuflash-bfloat16" in best:
+                    against["bfloat16"] = best["cpuflash-bfloat16"]
+                print(f"  {name} cache speed: " + ", ".join(
+                    f"{seconds / best['cpuflash-' + name]:.2f}x {other}'s"
+                    for other, seconds in against.items()))
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ from ._threads import choose_threading_layer
 
 choose_threading_layer()
 
-from .api import (attention, attention_backward, attention_varlen,  # noqa: E402
-                  attention_varlen_backward, attention_with_kvcache, merge_states)
+from .api import (QuantizedKV, attention, attention_backward, attention_varlen,  # noqa: E402
+                  attention_varlen_backward, attention_with_kvcache, dequantize_kv,
+                  merge_states, quantize_kv)
 from .tiling import TileConfig, choose_tiles, cpu_info  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_states",
            "attention_backward", "attention_varlen_backward", "TileConfig", "choose_tiles",
-           "cpu_info", "__version__"]
+           "cpu_info", "quantize_kv", "dequantize_kv", "QuantizedKV", "__version__"]

@@ -7,6 +7,7 @@ batch entry ``b`` is row ``p % page_rows`` of page ``block_table[b, p // page_ro
 
 import numpy as np
 
+from ._quantize import quantize_rows
 from ._validate import kernel_view
 
 
@@ -16,19 +17,27 @@ def slots(call, b, positions):
 
 
 def write_new_keys(call):
-    """Write the new keys and values into the caches, in place, after positions `seqlens`.
+    """Write the new keys and values into the caches, in place, after positions `seqlens`
+(quantized first, for a quantized cache).
 
     Called once `_validate.kvcache_args` has checked every argument, so an error leaves the
     caches unchanged.
     """
     if call.new_k is None:
         return
-    n_new = call.new_k.shape[2]
+    new_k, new_v = call.new_k, call.new_v
+    if call.quantized is not None:  # written as the cache holds them: 8-bit rows and scales
+        (new_k, k_scale), (new_v, v_scale) = (quantize_rows(x, call.quantized)
+                                              for x in (new_k, new_v))
+    n_new = new_k.shape[2]
     for b in range(call.batch):
         pages, rows = slots(call, b, call.seqlens[b] + np.arange(n_new))
         # (new, heads, dim) <- (heads, new, dim)
-        call.k_cache[pages, :, rows, :] = np.swapaxes(call.new_k[b], 0, 1)
-        call.v_cache[pages, :, rows, :] = np.swapaxes(call.new_v[b], 0, 1)
+        call.k_cache[pages, :, rows, :] = np.swapaxes(new_k[b], 0, 1)
+        call.v_cache[pages, :, rows, :] = np.swapaxes(new_v[b], 0, 1)
+        if call.quantized is not None:
+            call.k_scale[pages, :, rows] = k_scale[b].T
+            call.v_scale[pages, :, rows] = v_scale[b].T
 
 
 def gather_pages(call):

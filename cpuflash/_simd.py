@@ -35,7 +35,8 @@ from numba.core import codegen, config, errors, types
 from numba.extending import intrinsic, models, register_model
 
 __all__ = [
-    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_rows",
+    "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_i8",
+    "vload_e4m3", "vload_rows",
     "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16", "vbroadcast",
     "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax",
     "vfill_outside", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
@@ -268,25 +269,27 @@ def vload(typingctx, arr, i):
     return vec(arr, i), codegen
 
 
-def _half_load(name, widen_bits):
-    """An intrinsic loading `lanes` uint16 elements of a half-precision format as float32."""
+def _widening_load(name, widen_bits, bits=16):
+    """An intrinsic loading `lanes` elements of an integer type of `bits` bits (uint16 for the
+    half-precision formats, int8 or uint8 for 8-bit caches) as a float32 vector."""
     vec = _VEC[types.float32]
+    element = {16: types.uint16, 8: types.int8 if name == "int8" else types.uint8}[bits]
 
     def load(typingctx, arr, i):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.uint16):
-            raise errors.TypingError("`arr` must be a uint16 array (%s bits), got %s"
-                                     % (name, arr))
+        if not (isinstance(arr, types.Array) and arr.dtype == element):
+            raise errors.TypingError("`arr` must be a %s array (%s), got %s"
+                                     % (element, name, arr))
         _check_index(i)
 
         def codegen(context, builder, sig, args):
-            bits_type = ir.VectorType(ir.IntType(16), vec.lanes)
+            bits_type = ir.VectorType(ir.IntType(bits), vec.lanes)
             ptr = _element_ptr(context, builder, sig, args, bits_type)
-            return widen_bits(builder, builder.load(ptr, align=2), vec.lanes)
+            return widen_bits(builder, builder.load(ptr, align=bits // 8), vec.lanes)
 
         return vec(arr, i), codegen
 
     load.__name__ = "vload_" + name
-    load.__doc__ = "Load `arr[i : i + lanes]`, the bits of %s numbers, as a float32 vector " \
+    load.__doc__ = "Load `arr[i : i + lanes]`, %s numbers (their bits), as a float32 vector " \
         "(exactly: every %s is a float32)." % (name, name)
     return intrinsic(load)
 
@@ -302,8 +305,33 @@ def _widen_bf16(builder, bits, lanes):  # bfloat16 is the top half of a float32
                            ir.VectorType(ir.FloatType(), lanes))
 
 
-vload_f16 = _half_load("float16", _widen_f16)
-vload_bf16 = _half_load("bfloat16", _widen_bf16)
+def _widen_i8(builder, bits, lanes):  # vpmovsxbd + vcvtdq2ps
+    return builder.sitofp(bits, ir.VectorType(ir.FloatType(), lanes))
+
+
+def _widen_e4m3(builder, bits, lanes):
+    """float8_e4m3fn bits (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity,
+    NaN = S.1111.111) to float32, exactly and without float32 subnormals (which a flush-to-zero
+    mode would lose): a normal number moves its exponent and mantissa fields into float32's
+    with the bias raised by 120, a subnormal one is its mantissa times 2^-9."""
+    i32s, f32s = ir.VectorType(_I32, lanes), ir.VectorType(ir.FloatType(), lanes)
+    wide = builder.zext(bits, i32s)
+    magnitude_bits = builder.and_(wide, _const(i32s, 0x7F))
+    normal = builder.bitcast(builder.add(builder.shl(magnitude_bits, _const(i32s, 20)),
+                                         _const(i32s, 120 << 23)), f32s)
+    subnormal = builder.fmul(builder.sitofp(magnitude_bits, f32s), _const(f32s, 2.0 ** -9))
+    magnitude = builder.select(builder.icmp_unsigned("<", magnitude_bits, _const(i32s, 8)),
+                               subnormal, normal)
+    magnitude = builder.select(builder.icmp_unsigned("==", magnitude_bits, _const(i32s, 0x7F)),
+                               _const(f32s, float("nan")), magnitude)
+    sign = builder.shl(builder.and_(wide, _const(i32s, 0x80)), _const(i32s, 24))
+    return builder.bitcast(builder.or_(builder.bitcast(magnitude, i32s), sign), f32s)
+
+
+vload_f16 = _widening_load("float16", _widen_f16)
+vload_bf16 = _widening_load("bfloat16", _widen_bf16)
+vload_i8 = _widening_load("int8", _widen_i8, bits=8)
+vload_e4m3 = _widening_load("float8_e4m3fn", _widen_e4m3, bits=8)
 
 
 def _half_store(name, narrow_bits):

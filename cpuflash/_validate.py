@@ -20,13 +20,16 @@ import sys
 
 import numpy as np
 
-from .kernels._convert import BFLOAT16, FLOAT16
+from ._quantize import QUANT_MAX, QuantizedKV, format_name
+from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
 from .tiling import TileConfig
 
 # How the kernels read an input (`half_kind`): natively, or as the uint16 bits of float16 or
-# bfloat16, whose codes the kernels define.
+# bfloat16, or (a quantized cache) as int8 or the uint8 bits of float8_e4m3fn, whose codes the
+# kernels define.
 NATIVE = 0
 assert NATIVE not in (FLOAT16, BFLOAT16), "NATIVE must differ from the kernels' half kinds"
+QUANT_KINDS = {"int8": INT8, "float8_e4m3": FLOAT8_E4M3}
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -313,6 +316,9 @@ class AttentionCall:
     # -- KV cache (`kvcache_args`); where each position lives: see `_kvcache`
     k_cache: np.ndarray | None = None  # (pages, Hk, page_rows, D), the caller's dtype, written
     v_cache: np.ndarray | None = None
+    quantized: str | None = None  # a quantized cache's format ("int8", "float8_e4m3"), or None
+    k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows) float32 scales, written
+    v_scale: np.ndarray | None = None
     new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`
     new_v: np.ndarray | None = None
     block_table: np.ndarray | None = None  # (batch, max_pages) int64
@@ -543,7 +549,12 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
     checked, then written by `_kvcache.write_new_keys` once every check has passed."""
     q = as_array("q", q)
-    k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
+    quantized = quantized_pair(k_cache, v_cache)
+    if quantized is None:
+        k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
+        k_scale = v_scale = None
+    else:
+        k_cache, k_scale, v_cache, v_scale, quantized = quantized
     if (k is None) != (v is None):
         _fail(ValueError, "`k` and `v` must be given together (new keys and their values), "
                           f"got `k` {'None' if k is None else 'an array'} and "
@@ -551,10 +562,13 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     has_new = k is not None
     if has_new:
         k, v = as_array("k", k), as_array("v", v)
-    dtype, cdtype = _dtypes(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
-    if has_new and not (k.dtype == v.dtype == dtype):
-        _fail(TypeError, f"`k` and `v` must have the dtype of the cache ({dtype}), got "
-                         f"{k.dtype} and {v.dtype}")
+    if quantized is None:
+        dtype, cdtype = _dtypes(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+        if has_new and not (k.dtype == v.dtype == dtype):
+            _fail(TypeError, f"`k` and `v` must have the dtype of the cache ({dtype}), got "
+                             f"{k.dtype} and {v.dtype}")
+    else:
+        dtype, cdtype = _quantized_dtypes(q, k, v)
     _layout(layout)
     causal = _flags(causal, return_lse)
     arrays = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
@@ -577,8 +591,9 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
                               f"({batch}, {n_kv_heads}, n, {d}/{d_v}) in layout {layout!r}, "
                               f"got {k.shape} and {v.shape}")
         n_new = k4.shape[2]
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not cache.flags.writeable:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache), ("k_cache.scale", k_scale),
+                            ("v_cache.scale", v_scale)):
+            if cache is not None and not cache.flags.writeable:
                 _fail(ValueError, f"`{name}` is read-only but new keys `k`/`v` must be "
                                   "written into it")
 
@@ -633,9 +648,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         out_bhsd = np.swapaxes(out_user, 1, 2)
     else:
         out_user = out_bhsd = np.empty((batch, n_heads, n_q, d_v), dtype=dtype)
-    return AttentionCall(
-        q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4), dtype=dtype,
-        batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q,
+    fields = dict(
+        dtype=dtype, batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q,
         n_k=int(n_keys.max(initial=0)), head_dim=d, head_dim_v=d_v,
         qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
         sinks=sinks_arr,
@@ -643,6 +657,90 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         k_cache=kc4, v_cache=vc4, new_k=k4, new_v=v4, block_table=np.ascontiguousarray(table),
         page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,
         num_splits=int(num_splits))
+    if quantized is None:
+        return AttentionCall(q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4),
+                             **fields)
+    # the kernel reads the 8-bit rows in place, widening them itself, and float32 queries (a
+    # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
+    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=bits_view(kc4),
+                         v=bits_view(vc4), **fields)
+    call.half_kind = QUANT_KINDS[quantized]
+    call.quantized = quantized
+    call.k_scale, call.v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
+                                  for x in (k_scale, v_scale))
+    return call
+
+
+def bits_view(data):
+    """An 8-bit cache as the kernels read it: int8 as it is, float8_e4m3fn as its uint8 bits
+    (Numba has no float8)."""
+    return data if data.dtype == np.int8 else data.view(np.uint8)
+
+
+def quantized_pair(k_cache, v_cache):
+    """None for float caches; for quantized ones (k data, k scale, v data, v scale, format
+    name), checked as `quantized_value` checks them and against each other. A mix of the two
+    kinds is a TypeError naming them."""
+    k_quantized, v_quantized = isinstance(k_cache, QuantizedKV), isinstance(v_cache, QuantizedKV)
+    if not (k_quantized or v_quantized):
+        return None
+    if k_quantized != v_quantized:
+        kinds = ["a QuantizedKV" if quantized else f"a {type(cache).__name__}"
+                 for quantized, cache in ((k_quantized, k_cache), (v_quantized, v_cache))]
+        _fail(TypeError, f"`k_cache` and `v_cache` must both be QuantizedKV (the same 8-bit "
+                         f"format) or both float arrays, got `k_cache` {kinds[0]} and "
+                         f"`v_cache` {kinds[1]}")
+    k_data, k_scale, k_name = quantized_value("k_cache", k_cache)
+    v_data, v_scale, v_name = quantized_value("v_cache", v_cache)
+    if k_name != v_name:
+        _fail(TypeError, f"`k_cache` and `v_cache` must share one 8-bit format, got "
+                         f"{k_data.dtype} and {v_data.dtype}")
+    return k_data, k_scale, v_data, v_scale, k_name
+
+
+def quantized_value(name, kq):
+    """(data, scale, format name) of a QuantizedKV argument: data int8 or float8_e4m3fn, scale
+    float32 of shape ``data.shape[:-1]``."""
+    if not isinstance(kq, QuantizedKV):
+        _fail(TypeError, f"`{name}` must be a cpuflash.QuantizedKV (from "
+                         f"cpuflash.quantize_kv), got {type(kq).__name__}")
+    data, scale = as_array(f"{name}.data", kq.data), as_array(f"{name}.scale", kq.scale)
+    format_ = format_name(data.dtype)
+    if format_ is None:
+        _fail(TypeError, f"`{name}.data` must be int8 or float8_e4m3fn, got {data.dtype}")
+    if scale.dtype != np.float32:
+        _fail(TypeError, f"`{name}.scale` must be float32, got {scale.dtype}")
+    if data.ndim < 1 or scale.shape != data.shape[:-1]:
+        _fail(ValueError, f"`{name}.scale` must have the shape of `{name}.data` without its "
+                          f"last axis, {data.shape[:-1]}, got {scale.shape}")
+    return data, scale, format_
+
+
+def _quantized_dtypes(q, k, v):
+    """(output dtype, compute dtype) of a call on quantized caches: q float32, float16 or
+    bfloat16; new keys and values of one float dtype (they are quantized as they are
+    written)."""
+    if q.dtype not in (np.float32, np.float16) and not _is_bfloat16(q.dtype):
+        _fail(TypeError, f"`q` must be float32, float16 or bfloat16 with a quantized cache, "
+                         f"got {q.dtype}")
+    if k is not None and not (k.dtype == v.dtype and (k.dtype.kind == "f"
+                                                      or _is_bfloat16(k.dtype))):
+        _fail(TypeError, f"`k` and `v` must share one float dtype (they are quantized as they "
+                         f"are written into the cache), got {k.dtype} and {v.dtype}")
+    return q.dtype, np.dtype(np.float32)
+
+
+def quantize_args(x, dtype):
+    """Validate `cpuflash.quantize_kv`: (x as an array, format name)."""
+    x = as_array("x", x)
+    if x.dtype.kind != "f" and not _is_bfloat16(x.dtype):
+        _fail(TypeError, f"`x` must be a float array, got dtype {x.dtype}")
+    if x.ndim < 1:
+        _fail(ValueError, f"`x` must have at least one axis (rows of D numbers), got shape "
+                          f"{x.shape}")
+    if not isinstance(dtype, str) or dtype not in QUANT_MAX:
+        _fail(ValueError, f"`dtype` must be one of {tuple(QUANT_MAX)}, got {dtype!r}")
+    return x, dtype
 
 
 def merge_args(outs, lses):

@@ -4,7 +4,7 @@ import numba
 import numpy as np
 from numba.np.ufunc import parallel as _numba_parallel
 
-from . import _backward, _combine, _kvcache, _plans, _schedule, _validate, tiling
+from . import _backward, _combine, _kvcache, _plans, _quantize, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
 from .kernels.forward import fa2_forward
@@ -224,19 +224,27 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     kernel with what the earlier call worked out (`cpuflash._plans`).
     """
     key = None
+    scales = _quantized_scales(k_cache, v_cache, cache_seqlens)
     if (block_table is None and alibi_slopes is None and sinks is None
-            and (k is None) == (v is None)):
+            and (k is None) == (v is None) and scales is not False):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
-        k_cache = _validate.as_array("k_cache", k_cache)
-        v_cache = _validate.as_array("v_cache", v_cache)
+        if scales is None:
+            k_data = k_cache = _validate.as_array("k_cache", k_cache)
+            v_data = v_cache = _validate.as_array("v_cache", v_cache)
+            kind = "kvcache"
+        else:  # a quantized cache: its scales' shapes and dtypes join the key
+            k_data, v_data = k_cache.data, v_cache.data
+            kind = ("kvcache", scales[0].shape, scales[0].dtype, scales[1].shape,
+                    scales[1].dtype)
         if k is not None:
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
-        key = _decode_key("kvcache", q, k_cache, v_cache, cache_seqlens, causal, scale, window,
+        key = _decode_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,
                           softcap, layout, num_splits, return_lse, k, v)
         setup = _plans.get(key)
         if setup is not None:
-            result = _decode_again(setup, q, k_cache, v_cache, cache_seqlens, return_lse, k, v)
+            result = _decode_again(setup, q, k_data, v_data, cache_seqlens, return_lse, k, v,
+                                   scales)
             if result is not None:
                 return result
     call = _validate.kvcache_args(
@@ -249,12 +257,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         call.lse[...] = -np.inf
         return call.result(return_lse)
     group = call.n_heads // call.n_kv_heads
-    if group * call.n_q <= tiling.DECODE_MAX_ROWS:
+    # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
+    # the FA-2 kernel would need a float copy)
+    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
         setup = _Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
         _decode(setup, call.q, call.k, call.v, call.n_keys, call.n_k, call.out_bhsd, call.lse,
-                call.sinks)
+                call.sinks, scales=(call.k_scale, call.v_scale))
     else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
         if call.paged:
             call.k, call.v = _kvcache.gather_pages(call)
@@ -285,6 +295,52 @@ def merge_states(outs, lses):
     return _combine.merge(*_validate.merge_args(outs, lses))
 
 
+QuantizedKV = _quantize.QuantizedKV
+
+
+@_validate.public()
+def quantize_kv(x, dtype="int8"):
+    """Quantize keys or values for an 8-bit KV cache: one symmetric scale per row.
+
+    Parameters
+    ----------
+    x : (..., Hk, N, D) float array
+        Keys or values (any float dtype; read as float32). Each row of D numbers (one token of
+        one head) is quantized on its own.
+    dtype : {"int8", "float8_e4m3"}
+        The 8-bit format: int8, or ``ml_dtypes.float8_e4m3fn`` (needs ml_dtypes).
+
+    Returns
+    -------
+    QuantizedKV(data, scale)
+        ``data`` (..., Hk, N, D) int8 or float8_e4m3fn, ``x / scale`` rounded to nearest
+        (ties to even); ``scale`` (..., Hk, N) float32, the float32 division ``amax / 127``
+        (``/ 448`` for float8_e4m3) of the row's largest magnitude. An all-zero row has scale 0
+        (and dequantizes to 0); a row holding inf or NaN has scale NaN and data 0 (it
+        dequantizes to NaN). Pass one for keys and one for values to
+        `attention_with_kvcache`.
+    """
+    x, name = _validate.quantize_args(x, dtype)
+    return QuantizedKV(*_quantize.quantize_rows(x, name))
+
+
+@_validate.public()
+def dequantize_kv(kq):
+    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row).
+
+    Parameters
+    ----------
+    kq : QuantizedKV
+        ``data`` (..., D) int8 or float8_e4m3fn and ``scale`` (...) float32.
+
+    Returns
+    -------
+    (..., D) float32 array
+    """
+    data, scale, _ = _validate.quantized_value("kq", kq)
+    return _quantize.dequantize_rows(data, scale)
+
+
 # The thread count that decides the key splits of `attention` calls taken by the decode kernel:
 # a constant, since their results must not depend on the thread count (8 splits the keys of a
 # single-head call over 4096 keys into 8, of one over 1024 into 2, as a KV-cache call on 8
@@ -310,6 +366,7 @@ class _Decode:
         self.num_splits = call.num_splits
         self.n_new = 0 if call.new_k is None else call.new_k.shape[2]  # keys written in
         self.plan_threads = plan_threads  # 0: numba's thread count at the call
+        self.quantized = call.quantized  # a quantized cache's format, or None
         if self.block_table is None:  # `attention`: one page of all keys per batch entry
             self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
             self.page_rows = n_max
@@ -321,6 +378,20 @@ class _Decode:
         for array in (self.alibi, self.sinks, self.block_table, self.full_keys):
             array.flags.writeable = False
         return self
+
+
+def _quantized_scales(k_cache, v_cache, cache_seqlens):
+    """None for float caches; (k scale, v scale) for two QuantizedKV caches of numpy arrays
+    given with `cache_seqlens` (the arrays' shapes then are the key's, whole); False for any
+    other call with a QuantizedKV: the full path."""
+    k_quantized = isinstance(k_cache, _quantize.QuantizedKV)
+    v_quantized = isinstance(v_cache, _quantize.QuantizedKV)
+    if not (k_quantized or v_quantized):
+        return None
+    if not (k_quantized and v_quantized and cache_seqlens is not None
+            and k_cache.scale.__class__ is np.ndarray and v_cache.scale.__class__ is np.ndarray):
+        return False
+    return k_cache.scale, v_cache.scale
 
 
 def _decode_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
@@ -365,13 +436,16 @@ def _without(shape, axis):
     return shape[:axis] + (None,) + shape[axis + 1:]
 
 
-def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None):
+def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None,
+                  scales=None):
     """A call whose key found `setup`: only the checks that can fail for the same key (values,
     alignment, a writable cache), then the new keys written in and the kernel. None when a
-    check fails: the full path then raises the error."""
-    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+    check fails: the full path then raises the error. `k`, `v`: the cache arrays (a quantized
+    cache's 8-bit data, its (k, v) scales in `scales`)."""
+    arrays = (k, v) if scales is None else (k, v) + tuple(scales)
+    if not (q.flags.aligned and all(x.flags.aligned for x in arrays)):
         return None  # the full path copies them
-    if new_k is not None and not (k.flags.writeable and v.flags.writeable):
+    if new_k is not None and not all(x.flags.writeable for x in arrays):
         return None
     room = setup.n_max - setup.n_new  # the largest valid length
     page_rows = setup.page_rows
@@ -412,16 +486,27 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     else:
         out_user = out_bhsd = np.empty((setup.batch, setup.n_heads, setup.n_q,
                                         setup.head_dim_v), dtype=setup.dtype)
+    if scales is not None and setup.layout == "bshd":
+        scales = tuple(x.swapaxes(1, 2) for x in scales)
     if new_k is not None:  # every check has passed: into each entry's rows after its length
         if setup.layout == "bshd":
             new_k, new_v = new_k.swapaxes(1, 2), new_v.swapaxes(1, 2)
+        if scales is not None:  # quantized first, as the full path writes them
+            (new_k, k_scale), (new_v, v_scale) = (_quantize.quantize_rows(x, setup.quantized)
+                                                  for x in (new_k, new_v))
         for b, start in enumerate(starts):
             k[b, :, start:start + setup.n_new] = new_k[b]
             v[b, :, start:start + setup.n_new] = new_v[b]
-    if setup.half_kind != _validate.NATIVE:
+            if scales is not None:
+                scales[0][b, :, start:start + setup.n_new] = k_scale[b]
+                scales[1][b, :, start:start + setup.n_new] = v_scale[b]
+    if scales is not None:  # as `_validate.kvcache_args` hands them to the kernel
+        q = np.asarray(q, dtype=np.float32)
+        k, v = _validate.bits_view(k), _validate.bits_view(v)
+    elif setup.half_kind != _validate.NATIVE:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
-    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows)
+    _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows, scales)
     return (out_user, lse) if return_lse else out_user
 
 
@@ -437,12 +522,20 @@ def _thread_count():
     return numba.get_num_threads()
 
 
-def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None):
+# the scales of a float cache (the kernel's quantized steps are skipped)
+_NO_SCALES = np.zeros((0, 0, 0), dtype=np.float32)
+_NO_SCALES.flags.writeable = False
+
+
+def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, scales=None):
     """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
     (and the sinks). `q`, `k`, `v` as the kernels read them; `page_rows`: the cache's rows per
-    page when they are not the setup's (an unpaged cache of another length)."""
+    page when they are not the setup's (an unpaged cache of another length); `scales`: the
+    (k, v) scales of a quantized cache, (pages, Hk, page rows) float32, or None."""
     if page_rows is None:
         page_rows = setup.page_rows
+    k_scale, v_scale = (_NO_SCALES, _NO_SCALES) if scales is None or scales[0] is None \
+        else scales
     n_threads = _thread_count()
     plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
                               setup.head_dim, setup.compute_dtype, setup.num_splits)
@@ -453,8 +546,8 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None):
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = decode.specialize((q.dtype, setup.compute_dtype))
-    kernel(q, k, v, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
+    kernel = decode.specialize((k.dtype, setup.compute_dtype, q.dtype))
+    kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
            setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
            part_out, part_lse, n_threads)
     if plan.n_splits > 1:

@@ -41,13 +41,16 @@ except ImportError as exc:
     raise _extras.missing("cpuflash.transformers", "torch and transformers",
                           "transformers") from exc
 
-__all__ = ["register"]
+__all__ = ["register", "QuantizedKVCache"]
 
 NAME = "cpufa"
 
 # The attribute that marks a mask built by `attention_mask_function`; it holds the keywords
 # (causal, window, mask) that give cpuflash the same visibility
 _PATTERN = "_cpufa_keywords"
+
+# The attribute of the placeholder key tensor a `QuantizedKVCache` layer returns: the layer
+_QUANTIZED = "_cpufa_quantized_layer"
 
 # Up to this many query rows per key/value head without a mask, a call goes to the split-KV
 # decode kernel of `attention_with_kvcache`: one decoding step (Nq = 1) of any GQA group.
@@ -124,6 +127,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                          f"dropout={dropout} (training with attention_dropout > 0): set the "
                          f"config's attention dropout to 0, or train with "
                          f"attn_implementation=\"eager\" or \"sdpa\"")
+    quantized = getattr(key, _QUANTIZED, None)  # the placeholder of a QuantizedKVCache layer
     keywords = _visibility(module, query, key, attention_mask, kwargs.get("is_causal"))
     if scaling is not None:
         keywords["scale"] = scaling
@@ -137,6 +141,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if sinks is not None and sinks.dtype != torch.float32:
         sinks = sinks.float()  # cpuflash's sinks are float32, whatever the model's dtype
 
+    if quantized is not None:
+        if not ("mask" in keywords or "bias" in keywords or keywords.get("crop_keys")
+                or torch.is_grad_enabled() and query.requires_grad):
+            return _quantized_attention(query, quantized, sinks, keywords), None
+        # padding masks, biases, gradients: the float path, on the dequantized cache
+        key, value = quantized.dequantized(query.dtype)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                     or value.requires_grad
                                     or (sinks is not None and sinks.requires_grad)):
@@ -160,6 +170,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out = query.new_empty((q.shape[0], q.shape[1], q.shape[2], value.shape[-1]))
     api.attention(q, k, v, layout="bshd", out=_numpy(out), **keywords)
     return out, None
+
+
+def _quantized_attention(query, layer, sinks, keywords):
+    """A step of a model on a `QuantizedKVCache`: its 8-bit rows read in place by the decode
+    kernel (the new keys were quantized into them by the layer's `update`)."""
+    if sinks is not None:
+        keywords["sinks"] = _numpy(sinks)
+    keywords.setdefault("causal", False)
+    q = _numpy(query).swapaxes(1, 2)  # bshd views: the output comes out as the model wants it
+    k_cache, v_cache = (api.QuantizedKV(c.data.swapaxes(1, 2), c.scale.swapaxes(1, 2))
+                        for c in (layer.k_cache, layer.v_cache))
+    out = api.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=layer.length,
+                                     layout="bshd", **keywords)
+    return _torch(out)
 
 
 def _visibility(module, query, key, mask, is_causal):
@@ -336,3 +360,131 @@ def register(name=NAME):
         return name
     AttentionMaskInterface.register(name, attention_mask_function)
     return name
+
+
+# -- an 8-bit KV cache
+
+class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
+    """One attention layer's keys and values as 8-bit rows with a float32 scale per (token,
+    head) (`cpuflash.quantize_kv`), in numpy arrays that grow by a fraction as tokens come.
+
+    `update` quantizes the new keys and values into them and returns placeholders, tagged with
+    the layer, that cpuflash's attention function reads through (`_quantized_attention`):
+    ``(B, Hk, N, D)`` tensors of NaN that take no memory, so that a model run with another
+    attention implementation fails loudly instead of attending to nothing.
+    """
+
+    is_croppable = False
+
+    def __init__(self, dtype="int8", **kwargs):
+        super().__init__(**kwargs)
+        self.format = dtype
+        self.length = 0
+        self.k_cache = self.v_cache = None
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n_new = key_states.shape[-2]
+        self._make_room(key_states.shape, value_states.shape[-1], self.length + n_new)
+        end = self.length + n_new
+        for cache, new in ((self.k_cache, key_states), (self.v_cache, value_states)):
+            rows = api.quantize_kv(_numpy(new.detach()), self.format)
+            cache.data[:, :, self.length:end] = rows.data
+            cache.scale[:, :, self.length:end] = rows.scale
+        self.length = end
+        return self._placeholder(self.k_cache), self._placeholder(self.v_cache)
+
+    def _make_room(self, shape, d_v, needed):
+        """Grow the arrays to hold `needed` tokens: exactly for the first (the prompt), then
+        with a sixteenth (at least 64 tokens) to spare, so that a step rarely copies the cache
+        and the spare stays small."""
+        have = 0 if self.k_cache is None else self.k_cache.data.shape[2]
+        if needed <= have:
+            return
+        # the prompt's keys exactly; then a sixteenth to spare as the tokens come
+        capacity = needed if have == 0 else needed + max(64, needed // 16)
+        grown = []
+        for old, d in ((self.k_cache, shape[-1]), (self.v_cache, d_v)):
+            empty = api.quantize_kv(np.zeros((shape[0], shape[1], capacity, d), np.float32),
+                                    self.format)
+            if old is not None:
+                empty.data[:, :, :self.length] = old.data[:, :, :self.length]
+                empty.scale[:, :, :self.length] = old.scale[:, :, :self.length]
+            grown.append(empty)
+        self.k_cache, self.v_cache = grown
+
+    def _placeholder(self, cache):
+        shape = cache.data.shape[:2] + (self.length, cache.data.shape[3])
+        placeholder = torch.full((), float("nan"), dtype=self.dtype).expand(shape)
+        setattr(placeholder, _QUANTIZED, self)
+        return placeholder
+
+    def dequantized(self, dtype):
+        """The cached keys and values as float tensors of `dtype` (the paths that need them:
+        padding masks, gradients)."""
+        return tuple(torch.from_numpy(api.dequantize_kv(api.QuantizedKV(
+            c.data[:, :, :self.length], c.scale[:, :, :self.length]))).to(dtype)
+            for c in (self.k_cache, self.v_cache))
+
+    def get_seq_length(self):
+        return self.length
+
+    @property
+    def nbytes(self):
+        """Bytes the layer's arrays hold (8-bit rows and scales, the spare rows included)."""
+        if self.k_cache is None:
+            return 0
+        return sum(c.data.nbytes + c.scale.nbytes for c in (self.k_cache, self.v_cache))
+
+    def reset(self):
+        self.length = 0
+        self.k_cache = self.v_cache = None
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx):
+        if self.k_cache is None:
+            return
+        index = beam_idx.cpu().numpy()
+        self.k_cache, self.v_cache = (api.QuantizedKV(c.data[index], c.scale[index])
+                                      for c in (self.k_cache, self.v_cache))
+
+    def crop(self, tokens_to_remove):
+        raise NotImplementedError("QuantizedKVCache cannot be cropped")
+
+
+class QuantizedKVCache(transformers.cache_utils.Cache):
+    """A KV cache of 8-bit keys and values that cpuflash attends to without dequantizing it.
+
+    Pass it as ``past_key_values=`` to a model on the "cpufa" attention implementation
+    (`register`). Each layer keeps its keys and values as int8 (or float8_e4m3fn) rows with one
+    float32 scale per (token, head), as `cpuflash.quantize_kv` makes them: about 0.27x the bytes
+    of a float32 cache at head dim 64 (0.26x at 128), plus, once decoding has begun, at most a
+    sixteenth spare (64 tokens for short sequences). New keys are quantized as they come, and the decode kernel reads the 8-bit rows in place, widening
+    them in registers (`cpuflash.attention_with_kvcache`). Batches with padding, and
+    gradients, attend to a dequantized copy instead.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig
+        The model's config (its number of layers).
+    dtype : {"int8", "float8_e4m3"}
+        The 8-bit format.
+    """
+
+    def __init__(self, config, dtype="int8"):
+        if dtype not in ("int8", "float8_e4m3"):
+            raise ValueError(f"`dtype` must be 'int8' or 'float8_e4m3', got {dtype!r}")
+        config = config.get_text_config(decoder=True)
+        super().__init__(layers=[_QuantizedLayer(dtype) for _ in
+                                 range(config.num_hidden_layers)])
+
+    @property
+    def nbytes(self):
+        """Bytes the cache's arrays hold, over all layers."""
+        return sum(layer.nbytes for layer in self.layers)

@@ -499,3 +499,113 @@ def test_minilm_sentence_embeddings_match_eager():
     cosine = (eager * ours).sum(-1)
     assert cosine.min().item() >= 0.99999, cosine
     assert not np.allclose(eager[0].numpy(), eager[1].numpy())  # sentences do differ
+
+
+# ------------------------------------------------------------------------------------------------
+# an 8-bit KV cache
+
+class DequantizedLayer(transformers.cache_utils.DynamicLayer):
+    """A float cache layer holding what a QuantizedKVCache layer holds: each new key and value
+    row quantized and dequantized again (the oracle of the quantized cache)."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.fmt = fmt
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        import cpuflash
+
+        key_states, value_states = (torch.from_numpy(cpuflash.dequantize_kv(
+            cpuflash.quantize_kv(x.float().numpy(), self.fmt))).to(x.dtype)
+            for x in (key_states, value_states))
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+def cache_keyword(model):
+    """transformers 5.x takes the cache as `cache=`, earlier ones (and 5.x until 5.40, with a
+    warning) as `past_key_values=`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
+def dequantized_cache(model, fmt):
+    layers = model.config.num_hidden_layers
+    return transformers.cache_utils.Cache(layers=[DequantizedLayer(fmt) for _ in range(layers)])
+
+
+@needs_mask_registry
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])  # gpt-oss: sinks and a window too
+def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, monkeypatch):
+    """Generation on a QuantizedKVCache (every attention call reading the 8-bit cache in place)
+    against the same model on a float cache holding the dequantized rows."""
+    model = small_model(kind)
+    use(model, NAME)
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    kwargs = dict(input_ids=ids, do_sample=False, max_new_tokens=5, pad_token_id=0,
+                  output_logits=True, return_dict_in_generate=True)
+    with torch.inference_mode():
+        key = cache_keyword(model)
+        expected = model.generate(**{key: dequantized_cache(model, fmt)}, **kwargs)
+        spy = Spy(monkeypatch)
+        cache = cft.QuantizedKVCache(model.config, fmt)
+        got = model.generate(**{key: cache}, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
+                               rtol=1e-4, atol=1e-4)
+    assert [call[0] for call in spy.calls] == \
+        ["attention_with_kvcache"] * 5 * model.config.num_hidden_layers
+    assert cache.get_seq_length() == 9 + 4 and cache.layers[0].k_cache.data.dtype.itemsize == 1
+
+
+@needs_mask_registry
+def test_quantized_cache_with_padding_attends_to_a_dequantized_copy():
+    model = small_model("llama")
+    use(model, NAME)
+    ids, attention_mask = left_padded_batch()
+    with torch.inference_mode():
+        key = cache_keyword(model)
+        expected = model(input_ids=ids, attention_mask=attention_mask,
+                         **{key: dequantized_cache(model, "int8")}).logits
+        got = model(input_ids=ids, attention_mask=attention_mask,
+                    **{key: cft.QuantizedKVCache(model.config)}).logits
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_cache_refuses_other_formats_and_fails_loudly_elsewhere():
+    model = small_model("llama")
+    with pytest.raises(ValueError, match="`dtype` must be 'int8' or 'float8_e4m3', got 'int4'"):
+        cft.QuantizedKVCache(model.config, "int4")
+    use(model, "eager")  # the placeholders are NaN: another implementation cannot miss it
+    with torch.inference_mode():
+        logits = model(input_ids=torch.ones((1, 4), dtype=torch.long),
+                       **{cache_keyword(model): cft.QuantizedKVCache(model.config)}).logits
+    assert torch.isnan(logits).all()
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cft.QuantizedKVCache(model.config).layers[0].crop(1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3"])
+def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_thread, fmt):
+    """Teacher forcing over 200 positions of text: each position's next-token choice with the
+    8-bit cache (one call: the prompt's keys are quantized as they are written, then attended
+    to) against the float cache's; and the bytes the cache holds."""
+    tokenizer, model = smollm2
+    use(model, NAME)
+    text = " ".join(PROMPTS * 12)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :200]
+    assert ids.shape[1] == 200
+    with torch.inference_mode():
+        expected = model(input_ids=ids).logits.argmax(-1)
+        cache = cft.QuantizedKVCache(model.config, fmt)
+        got = model(input_ids=ids, **{cache_keyword(model): cache}).logits.argmax(-1)
+    agreement = (got == expected).float().mean().item()
+    assert agreement >= 0.97, agreement
+    config = model.config
+    float32_bytes = (4 * 2 * config.num_hidden_layers * config.num_key_value_heads * 200
+                     * (config.hidden_size // config.num_attention_heads))
+    assert cache.nbytes <= 0.3 * float32_bytes  # the prompt's rows exactly, no spare yet

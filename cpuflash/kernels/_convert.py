@@ -5,7 +5,9 @@ are widened to float32 while a tile is packed (or, in the decode kernel, as cach
 loaded), so no full-size float32 copy of q, k or v is ever made, and outputs are rounded back as
 they are stored. `widen` and `narrow` convert one element; `load_widened`, `load_block` and
 `store_narrowed` whole SIMD vectors of rows that `vector_rows` approves. All are generic over the
-array dtype: for float32 and float64 arrays the conversions compile to nothing.
+array dtype: for float32 and float64 arrays the conversions compile to nothing. The 8-bit rows
+of a quantized KV cache (int8, and float8_e4m3fn as its uint8 bits) are widened the same way,
+unscaled: the decode kernel applies their scales to scores and probabilities.
 """
 
 import numpy as np
@@ -18,6 +20,8 @@ from .. import _simd
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 
 FLOAT16, BFLOAT16 = 1, 2  # half-precision kinds (`_validate` imports them; 0 is native)
+# 8-bit kinds of quantized KV caches: int8, and float8_e4m3fn read as its uint8 bits
+INT8, FLOAT8_E4M3 = 3, 4
 
 
 @intrinsic
@@ -82,12 +86,29 @@ def narrow(value, like, kind):
 def _widen(x, kind):
     if isinstance(x, types.Float):
         return lambda x, kind: x
+    if x == types.int8:
+        return lambda x, kind: np.float32(x)
+    if x == types.uint8:
+        return lambda x, kind: _e4m3_to_f32(x)
     if x == types.uint16:
         def impl(x, kind):
             if kind == BFLOAT16:
                 return _bits_to_f32(np.uint32(x) << np.uint32(16))
             return _half_bits_to_f32(x)
         return impl
+
+
+@jit
+def _e4m3_to_f32(bits):
+    """float8_e4m3fn bits to float32, as `_simd.vload_e4m3` widens them."""
+    magnitude = np.uint32(bits) & np.uint32(0x7F)
+    if magnitude == 0x7F:
+        value = np.float32(np.nan)
+    elif magnitude < 8:  # subnormal: the mantissa times 2^-9
+        value = np.float32(magnitude) * np.float32(2.0 ** -9)
+    else:
+        value = _bits_to_f32((magnitude << np.uint32(20)) + np.uint32(120 << 23))
+    return -value if bits & 0x80 else value
 
 
 @overload(narrow, jit_options=STRICT_OPTIONS)
@@ -143,13 +164,17 @@ def row_offset(arr, i, j, row):
 
 def load_widened(arr, i, half_kind):
     """`_simd.vload(arr, i)`, the bits of a half-precision `arr` (`half_kind` says which) widened
-    to float32."""
+    to float32; an int8 `arr` or a uint8 one (float8_e4m3fn bits) too, unscaled."""
 
 
 @overload(load_widened, jit_options=HELPER_OPTIONS)
 def _load_widened(arr, i, half_kind):
     if isinstance(arr.dtype, types.Float):
         return lambda arr, i, half_kind: _simd.vload(arr, i)
+    if arr.dtype == types.int8:
+        return lambda arr, i, half_kind: _simd.vload_i8(arr, i)
+    if arr.dtype == types.uint8:
+        return lambda arr, i, half_kind: _simd.vload_e4m3(arr, i)
 
     def load_half(arr, i, half_kind):
         return _simd.vload_bf16(arr, i) if half_kind == BFLOAT16 else _simd.vload_f16(arr, i)

@@ -22,6 +22,12 @@ consecutive items, each chunk with its buffers allocated once; a call with littl
 them all on the calling thread (`SERIAL_WORK`): at 64 cached keys the launch of the threads
 would cost more than the work, and a decoding step calls the kernel once per layer.
 
+A quantized cache (`cpuflash.quantize_kv`: int8, or float8_e4m3fn read as uint8 bits, with a
+float32 scale per (token, head)) goes through the same code: its rows are widened in registers
+as they are loaded, unscaled, and the scales multiply the scores (keys) and the probabilities
+before ``P V`` (values); see `_decode_items`. The queries are then float32, and the four-row
+micro-kernels serve every head dim.
+
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
 one page per batch entry. The micro-kernels walk a block as runs of consecutive rows, one per
@@ -71,25 +77,27 @@ def _line_elements(arr):
     return lambda arr: n
 
 
-def _decode(q, k_cache, v_cache, block_table, page_size, n_keys, split_len, block_k, qk_scale,
-            softcap, left, right, half_kind, alibi, part_out, part_lse, n_threads):
+def _decode(q, k_cache, v_cache, k_scale, v_scale, block_table, page_size, n_keys, split_len,
+            block_k, qk_scale, softcap, left, right, half_kind, alibi, part_out, part_lse,
+            n_threads):
     # (`n_threads` is numba's thread count at the call: read in here, it would keep the kernel
-    # out of the on-disk cache)
+    # out of the on-disk cache; `k_scale`, `v_scale`: see `_decode_items`)
+    scales = (k_scale, v_scale)
     n_items = q.shape[0] * k_cache.shape[1] * part_out.shape[0]
     n_chunks = min(n_items, n_threads)
     rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
     largest = -(-n_items // max(n_chunks, 1))  # items of the largest chunk
     if n_chunks <= 1 or _work(q, v_cache, n_keys) * (n_items - largest) <= SERIAL_WORK * n_items:
         buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3], part_lse)
-        _decode_items(0, n_items, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
-                      split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
+        _decode_items(0, n_items, buffers, q, k_cache, v_cache, scales, block_table, page_size,
+                      n_keys, split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
                       part_out, part_lse)
     else:
         for chunk in prange(n_chunks):
             buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3],
                                     part_lse)
             _decode_items(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks,
-                          buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
+                          buffers, q, k_cache, v_cache, scales, block_table, page_size, n_keys,
                           split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
                           part_out, part_lse)
 
@@ -121,13 +129,19 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
 
 
 @jit_borrowing
-def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_size, n_keys,
-                  split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi, part_out,
-                  part_lse):
+def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table, page_size,
+                  n_keys, split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
+                  part_out, part_lse):
     """Work items first .. last - 1, with the buffers of `_item_buffers`. Each item starts
     from the same state whatever ran before it (so its bits do not depend on the chunks): the
     row states and acc are reset, q_rows rewritten (its padding stays zero), and scores and the
-    widened copies are written before they are read, as from one key block to the next."""
+    widened copies are written before they are read, as from one key block to the next.
+
+    `scales` = (k_scale, v_scale): for a quantized cache (int8, or float8_e4m3fn bits as uint8)
+    the float32 scale of each cached row, (pages, Hk, page rows), else empty. The rows are read
+    as they are stored and widened unscaled in registers; a key's scale multiplies its dot
+    products (the scores), a value row's its probabilities before ``P V``: one multiply per
+    (row, key) instead of one per element, and no dequantized copy anywhere."""
     batch, n_heads, n_q, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_heads // n_kv
@@ -137,6 +151,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_s
     s_mult = qk_scale / softcap if softcap > 0 else qk_scale
 
     q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
+    k_scale, v_scale = scales
+    quantized = k_scale.shape[0] > 0
     direct = k_rows.shape[0] == 0
     everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
     # a block's rows as runs of consecutive cache rows (split where a page ends): run i is
@@ -187,6 +203,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_s
                 _dot_rows(q_rows, k_rows, (run_cols, k_starts, n_runs, k_step), scores, rows,
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), False,
                           NOTHING_NEXT)
+            if quantized:  # -- S *= the keys' scales
+                _scale_columns(scores, rows, cols, k_scale, block_table, b, hk, kb, page_size,
+                               False)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, per row of the group
@@ -206,6 +225,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_s
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
+            if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
+                _scale_columns(scores, rows, cols, v_scale, block_table, b, hk, kb, page_size,
+                               True)
             band = (n_q, shift - kb, left, right) if not inside else (n_q, 0, -1, -1)
             if direct:
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
@@ -221,6 +243,27 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, block_table, page_s
             top = g * n_q
             _finish_rows(acc[top:], row_max[top:], row_sum[top:], n_q, -np.inf, part_out[split],
                          part_lse[split], b, hk * group + g, 0, 0)
+
+
+@jit_borrowing
+def _scale_columns(scores, rows, cols, scale, block_table, b, h, start, page_size, keep_zeros):
+    """scores[r, c] *= the scale of key position start + c (batch b, head h), for rows
+    0 .. rows - 1. With `keep_zeros` (probabilities), zeros stay zero: a hidden key's
+    probability times a NaN scale (that of a non-finite row) must not reach a row that cannot
+    see it. Scores keep the product: a NaN scale makes the key's score NaN, as its dequantized
+    row would (hidden keys are masked to -inf afterwards)."""
+    index, row = start // page_size, start % page_size  # (no division per key: it cost
+    page = block_table[b, index]                        # as much as the key's arithmetic)
+    for c in range(cols):
+        if row == page_size:
+            index, row = index + 1, 0
+            page = block_table[b, index]
+        factor = scale[page, h, row]
+        row += 1
+        for r in range(rows):
+            value = scores[r, c]
+            if not keep_zeros or value != 0:
+                scores[r, c] = value * factor
 
 
 @jit
@@ -521,7 +564,9 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
                 y1 = load_widened(keys, k1 + x, half_kind)
                 y2 = load_widened(keys, k2 + x, half_kind)
                 y3 = load_widened(keys, k3 + x, half_kind)
-                if ahead:  # the same columns of four later rows
+                # the same columns of four later rows, once per cache line (an 8-bit row has
+                # four vectors to a line)
+                if ahead and x % line_elements(later) == 0:
                     prefetch(later, lk + x)
                     prefetch(later, lk + later_step + x)
                     prefetch(later, lk + 2 * later_step + x)
@@ -680,11 +725,9 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
             v0, v1 = load_widened(values, o, half_kind), load_widened(values, o + n, half_kind)
             v2 = load_widened(values, o + 2 * n, half_kind)
             v3 = load_widened(values, o + 3 * n, half_kind)
-            if j < n_later:  # the same columns of a later row, one cache line per vector
-                prefetch(later, lo + x)
-                prefetch(later, lo + x + n)
-                prefetch(later, lo + x + 2 * n)
-                prefetch(later, lo + x + 3 * n)
+            if j < n_later:  # the same columns of a later row, each cache line once
+                for e in range(0, 4 * n, line_elements(later)):
+                    prefetch(later, lo + x + e)
                 j, lo = _next_position(later_runs, c, j, lo)
             p = vbroadcast(scores, p0 + c)
             a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
@@ -739,11 +782,15 @@ def _join4(acc, r, x, alpha, a0, a1, a2, a3):
 
 
 def _signature(key):
-    dtype, compute = key
-    data = array(dtype, 4, readonly=True)
+    """(cache dtype, compute dtype, query dtype): the same dtype thrice for a float cache; an
+    8-bit cache (int8, or uint8 float8 bits) with float32 queries."""
+    cache, compute, query = key
+    data = array(cache, 4, readonly=True)
+    scale = array(np.float32, 3, readonly=True)
     i8, f8 = types.int64, types.float64
     return types.void(
-        data, data, data, array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True),
+        array(query, 4, readonly=True), data, data, scale, scale,
+        array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True),
         i8, i8, f8, f8, i8, i8, i8, array(compute, 2, readonly=True), array(compute, 5),
         array(compute, 4), i8)
 

@@ -1,0 +1,72 @@
+"""8-bit KV caches: rows of int8 or float8_e4m3fn numbers with one float32 scale per row.
+
+A row is one (token, head) of a key or value cache: its `D` numbers share the symmetric scale
+``amax / 127`` (``/ 448``, the largest float8_e4m3fn) and are stored as ``x / scale`` rounded
+to nearest. The decode kernel reads the 8-bit rows in place and applies the scales to its dot
+products and probabilities (`cpuflash.kernels.decode`); this module holds the numpy side:
+the `QuantizedKV` pair, quantizing rows (`quantize_kv`, and the new keys a call writes into a
+quantized cache) and dequantizing them.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+# the largest magnitude each 8-bit format holds, by the names `quantize_kv` takes
+QUANT_MAX = {"int8": 127.0, "float8_e4m3": 448.0}
+FLOAT8_NAME = "float8_e4m3fn"  # ml_dtypes' name of the float8 dtype
+
+
+class QuantizedKV(NamedTuple):
+    """A quantized key or value cache: ``data`` (..., Hk, N, D) int8 or float8_e4m3fn and
+    ``scale`` (..., Hk, N) float32, one symmetric scale per (token, head): the row's numbers
+    are ``data * scale``. Made by `cpuflash.quantize_kv`; `cpuflash.attention_with_kvcache`
+    reads and writes it in place."""
+
+    data: np.ndarray
+    scale: np.ndarray
+
+
+def format_name(dtype):
+    """The `quantize_kv` name of an 8-bit data dtype ("int8", "float8_e4m3"), or None."""
+    if dtype == np.int8:
+        return "int8"
+    if dtype.kind == "V" and dtype.name == FLOAT8_NAME:
+        return "float8_e4m3"
+    return None
+
+
+def float8_dtype():
+    """ml_dtypes' float8_e4m3fn (imported only when a float8 cache is made)."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError("float8_e4m3 caches need ml_dtypes (pip install ml_dtypes)") from None
+    return np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def quantize_rows(x, name):
+    """(data, scale) of the float array `x` quantized row by row (the last axis) to the format
+    `name`. The scale is the float32 division ``amax / QUANT_MAX[name]``; an all-zero row gets
+    scale 0 and data 0; a row holding inf or NaN gets scale NaN and data 0 (it dequantizes to
+    NaN, and NaN propagates through attention as in the float computation)."""
+    x = np.asarray(x, dtype=np.float32)
+    limit = np.float32(QUANT_MAX[name])
+    scale = np.asarray(np.max(np.abs(x), axis=-1, initial=np.float32(0)) / limit)
+    if np.all(scale > 0) and np.all(scale < np.inf):  # the common case: few numpy calls
+        ratio = x / scale[..., None]  # at most limit * (1 + 2^-23): rounds to +-limit
+    else:
+        usable = (scale > 0) & (scale < np.inf)
+        ratio = np.zeros(x.shape, dtype=np.float32)
+        np.divide(x, scale[..., None], out=ratio, where=usable[..., None])
+        scale[~(scale >= 0)] = np.nan  # inf or NaN in the row (NaN fails every comparison)
+        scale[scale == np.inf] = np.nan
+    if name == "int8":
+        return np.rint(ratio).astype(np.int8), scale
+    # (clipped first: past 448 float8_e4m3fn has only NaN; ml_dtypes rounds to nearest even)
+    return np.clip(ratio, -limit, limit).astype(float8_dtype()), scale
+
+
+def dequantize_rows(data, scale):
+    """float32 ``data * scale``, one scale per row (the last axis of `data`)."""
+    return data.astype(np.float32) * scale[..., None]
