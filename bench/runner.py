@@ -698,7 +698,7 @@ def _cell(result):
 CPU_CLASSES = (
     # (name, test on cpu_info(), (lowest, highest) cpuflash/torch)
     ("AMD EPYC Zen 2/3 (AVX2, no AVX-512)",
-     lambda m: m["llvm_cpu"] in ("znver2", "znver3"), (0.78, 1.10)),
+     lambda m: m["llvm_cpu"] in ("znver2", "znver3"), (0.74, 1.30)),
     ("AMD EPYC Zen 4 (AVX-512)", lambda m: m["llvm_cpu"] == "znver4", (1.11, 1.65)),
     ("AMD EPYC Zen 5 (AVX-512)", lambda m: m["llvm_cpu"] == "znver5", (1.69, 2.62)),
     ("Intel Xeon with AMX (Sapphire Rapids class)",
