@@ -123,13 +123,13 @@ def pack_query_groups(src, b, h, start, rows, q_tile, half_kind):
 
 
 def rows_at(tile, r):
-    """``(offset, column_step, row_step)`` of row r in the broadcast operand of a micro-kernel
-    (queries for Q K^T, probabilities for P V): element (r + i, x), for the rows r + i of r's
-    micro-tile group, is at ``offset + i * row_step + x * column_step``.
+    """``(offset, column_step, row_step)`` of row r in the queries a Q K^T micro-kernel
+    broadcasts: element (r + i, x), for the rows r + i of r's micro-tile group, is at
+    ``offset + i * row_step + x * column_step``.
 
     Row groups (``(groups, columns, ROWS)``, the forward's queries: `tile_buffers`) keep the
     ``ROWS`` elements broadcast for one column in one cache line; a plain ``(rows, columns)``
-    tile (P, the backward's tiles) is read ``ROWS`` rows apart. Measured on AVX2 (AMD Zen 3, one
+    tile (the backward's Q and dO) is read ``ROWS`` rows apart. Measured on AVX2 (AMD Zen 3, one
     core), a 6 x 16 micro-kernel ran at 71 GFLOP/s on rows and 81 on groups, against an FMA peak
     of 91. P is not grouped: a scalar regrouping pass cost more than the P V step gained.
     """
@@ -581,25 +581,24 @@ def pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off):
 def _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1):
     """Six rows x two vectors of output columns, rescaled by alpha on load, summed over keys."""
     n = lanes(acc)
-    dvp = acc.shape[1]
+    dvp, sw = acc.shape[1], scores.shape[1]
     o = r * dvp + x0
     a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
-    p, step, rs = rows_at(scores, r)
+    p = r * sw
     for c in range(key0, key1):
         v0 = vload(v_tile, c * dvp + x0)
         v1 = vload(v_tile, c * dvp + x0 + n)
-        pc = p + c * step
-        s = vbroadcast(scores, pc)
+        s = vbroadcast(scores, p + c)
         a0, a1 = vfma(s, v0, a0), vfma(s, v1, a1)
-        s = vbroadcast(scores, pc + rs)
+        s = vbroadcast(scores, p + sw + c)
         b0, b1 = vfma(s, v0, b0), vfma(s, v1, b1)
-        s = vbroadcast(scores, pc + 2 * rs)
+        s = vbroadcast(scores, p + 2 * sw + c)
         c0, c1 = vfma(s, v0, c0), vfma(s, v1, c1)
-        s = vbroadcast(scores, pc + 3 * rs)
+        s = vbroadcast(scores, p + 3 * sw + c)
         d0, d1 = vfma(s, v0, d0), vfma(s, v1, d1)
-        s = vbroadcast(scores, pc + 4 * rs)
+        s = vbroadcast(scores, p + 4 * sw + c)
         e0, e1 = vfma(s, v0, e0), vfma(s, v1, e1)
-        s = vbroadcast(scores, pc + 5 * rs)
+        s = vbroadcast(scores, p + 5 * sw + c)
         f0, f1 = vfma(s, v0, f0), vfma(s, v1, f1)
     _rescale_add(acc, o, alpha[r], a0, a1)
     _rescale_add(acc, o + dvp, alpha[r + 1], b0, b1)
@@ -614,27 +613,26 @@ def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1):
     """Six rows x four vectors of output columns in 24 registers: each broadcast probability
     feeds four FMAs instead of two. Same sums, in the same order, as `_pv_micro6`."""
     n = lanes(acc)
-    dvp = acc.shape[1]
+    dvp, sw = acc.shape[1], scores.shape[1]
     o = r * dvp + x0
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
     d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
-    p, step, rs = rows_at(scores, r)
+    p = r * sw
     for c in range(key0, key1):
         row = c * dvp + x0
         v0, v1 = vload(v_tile, row), vload(v_tile, row + n)
         v2, v3 = vload(v_tile, row + 2 * n), vload(v_tile, row + 3 * n)
-        pc = p + c * step
-        s = vbroadcast(scores, pc)
+        s = vbroadcast(scores, p + c)
         a0, a1, a2, a3 = vfma(s, v0, a0), vfma(s, v1, a1), vfma(s, v2, a2), vfma(s, v3, a3)
-        s = vbroadcast(scores, pc + rs)
+        s = vbroadcast(scores, p + sw + c)
         b0, b1, b2, b3 = vfma(s, v0, b0), vfma(s, v1, b1), vfma(s, v2, b2), vfma(s, v3, b3)
-        s = vbroadcast(scores, pc + 2 * rs)
+        s = vbroadcast(scores, p + 2 * sw + c)
         c0, c1, c2, c3 = vfma(s, v0, c0), vfma(s, v1, c1), vfma(s, v2, c2), vfma(s, v3, c3)
-        s = vbroadcast(scores, pc + 3 * rs)
+        s = vbroadcast(scores, p + 3 * sw + c)
         d0, d1, d2, d3 = vfma(s, v0, d0), vfma(s, v1, d1), vfma(s, v2, d2), vfma(s, v3, d3)
-        s = vbroadcast(scores, pc + 4 * rs)
+        s = vbroadcast(scores, p + 4 * sw + c)
         e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
-        s = vbroadcast(scores, pc + 5 * rs)
+        s = vbroadcast(scores, p + 5 * sw + c)
         f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
     for row, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
                                 (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
@@ -649,9 +647,9 @@ def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
     dvp = acc.shape[1]
     o = r * dvp + x0
     a0 = a1 = vzeros(acc)
-    p, step, _ = rows_at(scores, r)
+    p = r * scores.shape[1]
     for c in range(key0, key1):
-        s = vbroadcast(scores, p + c * step)
+        s = vbroadcast(scores, p + c)
         a0 = vfma(s, vload(v_tile, c * dvp + x0), a0)
         a1 = vfma(s, vload(v_tile, c * dvp + x0 + n), a1)
     _rescale_add(acc, o, alpha[r], a0, a1)
