@@ -229,13 +229,11 @@ def _run_backward(call, grads, seqs, fused=None):
     dq, dk, dv = grads.kernel
     dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0,
                        -(-call.head_dim // width) * width), dtype=compute)
-    kernel = fa2_backward.specialize((call.q.dtype, compute))
-    left, right = call.window
+    kernel = fa2_backward.specialize(call.kernel_key())
     kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
-           call.qk_scale, call.softcap, left, right, call.half_kind, call.alibi, call.bias,
-           call.bias_map, call.mask, call.mask_map)
+           call.half_kind, call.modifiers())
     return delta
 
 

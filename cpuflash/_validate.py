@@ -18,9 +18,11 @@ import math
 import numbers
 import sys
 
+import numba
 import numpy as np
 
 from ._quantize import QUANT_MAX, QuantizedKV, format_name
+from .kernels import _user
 from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
 from .tiling import TileConfig
 
@@ -262,6 +264,13 @@ def sinks_value(sinks, n_heads, dtype):
     return sinks
 
 
+# `user` of a call without functions of its own: (functions, score_args, mask_args, block mask
+# states, block mask's block_q, block_k), see `kernels._user.tile_state`
+NO_USER_FUNCTIONS = (_user.NONE, _user.with_end(()), _user.with_end(()),
+                     np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1)
+_NO_USER_TYPE = numba.typeof(NO_USER_FUNCTIONS)
+
+
 @dataclasses.dataclass(slots=True, kw_only=True, eq=False)
 class AttentionCall:
     """One validated call: its arrays as the kernels read them, and how to hand back the result.
@@ -299,6 +308,7 @@ class AttentionCall:
     mask: np.ndarray = None  # bool, like `bias`
     mask_map: np.ndarray = None
     sinks: np.ndarray = None  # (Hq,) in the compute dtype; derived: size 0 without
+    user: tuple = None  # the caller's own functions (`cpuflash.flex`); derived: none
     tiles: TileConfig | None = None  # the caller's tiles; None = chosen for this machine
 
     # -- output
@@ -342,6 +352,19 @@ class AttentionCall:
             self.mask_map = no_batch
         if self.sinks is None:
             self.sinks = np.zeros(0, dtype=self.compute_dtype)
+        if self.user is None:
+            self.user = NO_USER_FUNCTIONS
+
+    def modifiers(self):
+        """The kernels' `mods`: the score pipeline in one tuple (`_steps.modifiers_type`)."""
+        left, right = self.window
+        return (float(self.qk_scale), float(self.softcap), left, right, self.alibi, self.bias,
+                self.bias_map, self.mask, self.mask_map, self.sinks, self.user)
+
+    def kernel_key(self):
+        """The key the FA-2 kernels are specialized by: dtypes, and the user's functions."""
+        user = _NO_USER_TYPE if self.user is NO_USER_FUNCTIONS else numba.typeof(self.user)
+        return self.q.dtype, self.compute_dtype, user
 
     def result(self, return_lse):
         """What the public function returns: ``out``, or ``(out, lse)``."""

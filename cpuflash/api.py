@@ -133,12 +133,9 @@ def _run_forward(call, seqs):
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
                                        key_align)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
-    kernel = fa2_forward.specialize((call.q.dtype, call.compute_dtype))
-    left, right = call.window
+    kernel = fa2_forward.specialize(call.kernel_key())
     kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
-           tiles.block_q, tiles.block_k, key_align, call.qk_scale, call.softcap, left, right,
-           call.half_kind, call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
-           call.sinks)
+           tiles.block_q, tiles.block_k, key_align, call.half_kind, call.modifiers())
 
 
 @_validate.public()

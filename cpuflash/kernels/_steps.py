@@ -22,6 +22,7 @@ AVX-512 (`WIDE`: 24 accumulators), whose accumulators stay in registers for a wh
 
 import math
 
+import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
@@ -31,7 +32,7 @@ from .. import _simd, tiling
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
     vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
-from . import _band
+from . import _band, _user
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
 
@@ -656,9 +657,9 @@ def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
 
 
 @jit
-def pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, mask, mask_at):
-    """`pv_tile` row by row over only the keys each row sees: its band, and where `mask` has
-    entries, those of ``mask[bb, h, q0 + r, kb + c]`` with ``mask_at = (bb, h, q0, kb)``.
+def pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, mods, at):
+    """`pv_tile` row by row over only the keys each row sees: its band, and of those the ones
+    `key_visible` lets it see (``at``: the tile, as `score_tile` takes it).
 
     For a key block where a value row that some row cannot see is inf or NaN: `pv_tile` would
     give that row 0 * inf = NaN. With finite values the sums are `pv_tile`'s (the same terms in
@@ -666,14 +667,12 @@ def pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, mask, 
     """
     n = lanes(acc)
     dvp, sw = acc.shape[1], scores.shape[1]
-    bb, h, q0, kb = mask_at
-    masked = mask.shape[0] > 0
     for r in range(rows):
         key0, key1 = max(0, r + lo_off), min(cols, r + 1 + hi_off)
         for x in range(0, dvp, n):
             total = vzeros(acc)
             for c in range(key0, key1):
-                if not masked or mask[bb, h, q0 + r, kb + c]:
+                if key_visible(mods, at, r, c):
                     total = vfma(vbroadcast(scores, r * sw + c), vload(v_tile, c * dvp + x),
                                  total)
             rescale_add(acc, r * dvp + x, alpha[r], total)
@@ -760,22 +759,46 @@ def block_band(diag0, rows, kb, cols, left, right):
     return inside, lo_off, hi_off
 
 
+def modifiers_type(compute, user):
+    """The Numba type of a kernel's `mods`, the one argument that carries the score pipeline
+    of a call (`_validate.AttentionCall.modifiers` builds it):
+
+        (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user)
+
+    softcap 0 = off; the window's `left`, `right` (-1: unbounded); ``alibi (batch, Hq)``
+    slopes, ``(batch, 0)`` without; ``bias`` and ``mask`` (Bx, Hq, Nq, Nk), broadcast, size 0
+    without, row ``bias_map[seq]`` (``mask_map[seq]``) for sequence ``seq``; ``sinks (Hq,)``,
+    size 0 without; `user` the call's own functions (`_user.tile_state` says what it holds),
+    whose Numba type is given here (it names the functions, so each gets its kernel).
+    """
+    calc = numba.from_dtype(compute)
+    index1 = types.Array(types.int64, 1, "A", readonly=True)
+    return types.Tuple([
+        types.float64, types.float64, types.int64, types.int64,
+        types.Array(calc, 2, "A", readonly=True), types.Array(calc, 4, "A", readonly=True),
+        index1, types.Array(types.bool_, 4, "A", readonly=True), index1,
+        types.Array(calc, 1, "A", readonly=True), user])
+
+
 @jit
 def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
     """The score pipeline of one tile: ``scores = S`` of the queries of `q_tile` against the
     key panels, every modifier in its place, -inf where a key is hidden.
 
-    ``at = (seq, h, q0, kb, diag0)`` places the tile, ``band = (inside, lo_off, hi_off, left,
-    right)`` is `block_band`'s and the window's, and ``mods = (qk_scale, softcap, alibi, bias,
-    bias_map, mask, mask_map)`` are the call's modifiers (as the forward kernel takes them).
+    ``at = (seq, h, q0, kb, diag0, b, state)`` places the tile (`b`: the batch entry the
+    user's functions see; `state`: `_user.tile_state`'s), ``band = (inside, lo_off, hi_off,
+    left, right)`` is `block_band`'s and the window's, and `mods` the call's modifiers
+    (`modifiers_type`).
 
     `chain` receives the derivative of the final score by ``scale * q . k`` where it is not 1
-    (with a softcap), so a gradient step needs no knowledge of the modifiers: a modifier
-    with a gradient records its factor here, one place. The forward passes an empty `chain`.
+    (with a softcap or a user's score_mod), so a gradient step needs no knowledge of the
+    modifiers: a modifier with a gradient records its factor here, one place. The forward
+    passes an empty `chain`.
     """
-    seq, h, q0, kb, diag0 = at
+    seq, h, q0, kb, diag0, b, state = at
     inside, lo_off, hi_off, left, right = band
-    qk_scale, softcap, alibi, bias, bias_map, mask, mask_map = mods
+    qk_scale, softcap, _, _, alibi, bias, bias_map, mask, mask_map, _, user = mods
+    fns, score_args, mask_args, _, _, _ = user
     # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
     s_mult = qk_scale / softcap if softcap > 0 else qk_scale
     any_qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
@@ -784,15 +807,55 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
         softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
         if chain.shape[0] > 0:
             softcap_chain_tile(scores, chain, rows, cols, softcap, lo_off, hi_off)
+    elif chain.shape[0] > 0 and _user.has_score_mod(fns):
+        ones_tile(chain, rows, cols, lo_off, hi_off)
     if alibi.shape[1] > 0:
         alibi_tile(scores, rows, cols, alibi[seq, h], diag0 - kb, lo_off, hi_off)
     if bias.shape[0] > 0:
         add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
+    _user.score_mod_tile(fns, scores, chain, rows, cols, (lo_off, hi_off), (b, h, q0, kb),
+                         score_args)
     # -- visibility
     if not inside:
         band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off, hi_off)
     if mask.shape[0] > 0:
         bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
+    if state == _user.PARTIAL:
+        _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, q0, kb),
+                            mask_args)
+
+
+@jit
+def masks_keys(mods, state):
+    """Whether keys of a tile may be hidden inside its band: a bool mask, or a `mask_mod`
+    that the block mask does not say is met by the whole tile."""
+    return mods[7].shape[0] > 0 or state == _user.PARTIAL
+
+
+@jit
+def key_visible(mods, at, r, c):
+    """Whether the bool mask and the user's `mask_mod` let row r of a tile see its column c
+    (``at`` as `score_tile` takes it; the band is checked by the caller)."""
+    mask, mask_map, user = mods[7], mods[8], mods[10]
+    seq, h, q0, kb, _, b, state = at
+    if mask.shape[0] > 0 and not mask[mask_map[seq], h, q0 + r, kb + c]:
+        return False
+    if state == _user.PARTIAL:
+        return _user.mask_mod_sees(user[0], b, h, q0 + r, kb + c, user[2])
+    return True
+
+
+@jit
+def ones_tile(chain, rows, cols, lo_off, hi_off):
+    """chain = 1 over each row's span: the factor of a score pipeline with no softcap, which
+    a user's score_mod then multiplies."""
+    n = lanes(chain)
+    one = vsplat(1.0, chain)
+    for r in range(rows):
+        base = r * chain.shape[1]
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(first, end, n):
+            vstore(chain, base + c, one)
 
 
 @jit
@@ -910,10 +973,9 @@ def tn_tile(a, b_rows, acc, rows, cols, lo_off, hi_off):
 
 
 @jit
-def tn_tile_exact(a, b_rows, acc, rows, cols, lo_off, hi_off, mask, mask_at):
-    """`tn_tile` column by column over only the rows that see each key: its band, and where
-    `mask` has entries, those of ``mask[bb, h, q0 + r, kb + c]`` (``mask_at = (bb, h, q0,
-    kb)``).
+def tn_tile_exact(a, b_rows, acc, rows, cols, lo_off, hi_off, mods, at):
+    """`tn_tile` column by column over only the rows that see each key: its band, and of those
+    the ones `key_visible` lets see it (``at``: the tile, as `score_tile` takes it).
 
     For a tile where a row that cannot see some key has an inf or NaN in `b_rows` (0 * inf is
     NaN). With finite rows the sums are `tn_tile`'s (the same terms in the same order, less
@@ -921,14 +983,12 @@ def tn_tile_exact(a, b_rows, acc, rows, cols, lo_off, hi_off, mask, mask_at):
     """
     n = lanes(acc)
     bw, aw = acc.shape[1], a.shape[1]
-    bb, h, q0, kb = mask_at
-    masked = mask.shape[0] > 0
     for c in range(cols):
         row0, row1 = max(0, c - hi_off), min(rows, c + 1 - lo_off)
         for x in range(0, bw, n):
             total = vzeros(acc)
             for r in range(row0, row1):
-                if not masked or mask[bb, h, q0 + r, kb + c]:
+                if key_visible(mods, at, r, c):
                     total = vfma(vbroadcast(a, r * aw + c), vload(b_rows, r * bw + x), total)
             vstore(acc, c * bw + x, vadd(vload(acc, c * bw + x), total))
 

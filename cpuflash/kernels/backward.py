@@ -53,19 +53,20 @@ from numba import prange, types
 
 from .._jit import Kernel, array, jit
 from .._simd import vfma, vhsum, vload, vzeros
-from . import _pairs, _steps
+from . import _pairs, _steps, _user
 
 
 def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
-                  k_items, k_chunks, fused, block_q, block_k, qk_scale, softcap, left, right,
-                  half_kind, alibi, bias, bias_map, mask, mask_map):
+                  k_items, k_chunks, fused, block_q, block_k, half_kind, modifiers):
     d = q.shape[3]
     d_v = v.shape[3]
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
-    mods = (qk_scale, softcap, alibi, bias, bias_map, mask, mask_map)
-    has_chain = softcap > 0
-    has_mask = mask.shape[0] > 0
+    # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
+    # together again in the loops, as `mods`)
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
+    fns, score_args, mask_args, states, state_q, state_k = user
+    has_chain = softcap > 0 or _user.has_score_mod(fns)
 
     # ---- delta = rowsum(dO * O) of every query row, which both passes read
     for chunk in prange(q_chunks.shape[0] - 1):
@@ -79,6 +80,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # `fused`, an item is every key block of a (sequence, kv head) in turn, and dQ of the
     # group's rows is summed here too, in `dq_acc` (the query pass then has nothing to do)
     for chunk in prange(k_chunks.shape[0] - 1):
+        user = (fns, score_args, mask_args, states, state_q, state_k)
+        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
+                user)
         # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
         # products), K and V as panels (and K as rows for dQ), S/P, dP/dS, the chain factor,
         # dK and dV
@@ -133,6 +137,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                 for h in range(hk * group, (hk + 1) * group):
                     for q0 in range(q_lo, q_hi, block_q):
                         rows = min(block_q, n_q - q0)
+                        state = _user.tile_state(user, batch_q, h, q0, rows, k0, cols)
+                        if state == _user.EMPTY:
+                            continue
                         diag0 = q0 + shift
                         inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
                                                                    right)
@@ -143,7 +150,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         do_rows[:rows, :d_v] = do_tile[:rows]
 
                         # -- S: the forward's score pipeline; dP = dO V^T
-                        at = (seq, h, q0, k0, diag0)
+                        at = (seq, h, q0, k0, diag0, batch_q, state)
                         if pairs:
                             _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
                             _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows,
@@ -163,15 +170,14 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
                         # cannot see every key and an operand is inf or NaN, over what each
                         # row sees only (0 * inf is NaN)
-                        exact = (not inside or has_mask) and not (
+                        exact = (not inside or _steps.masks_keys(mods, state)) and not (
                             keys_finite and _finite_rows(q_tile, do_tile, lse_rows, delta_rows,
                                                          rows))
-                        mask_at = (mask_map[seq], h, q0, k0)
                         if exact:
                             _steps.tn_tile_exact(scores, do_rows, dv_acc, rows, cols, lo_off,
-                                                 hi_off, mask, mask_at)
+                                                 hi_off, mods, at)
                             _steps.tn_tile_exact(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off,
-                                                 mask, mask_at)
+                                                 mods, at)
                         elif pairs:  # P and dS rounded to bfloat16, as flash-attn does
                             _pairs.pack_row_pairs(q, batch_q, h, q_start + q0, rows,
                                                   q_row_pairs)
@@ -188,7 +194,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         if fused:
                             row0 = _acc_row(dq, batch_q, h, q_start + q0)
                             _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
-                                      lo_off, hi_off, exact, mask, mask_at, pairs, ds_pairs,
+                                      lo_off, hi_off, exact, mods, at, pairs, ds_pairs,
                                       k_row_pairs)
 
                 # -- each row of dK and dV written once
@@ -205,6 +211,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # ---- the query pass: dQ of one query tile, summed over the key blocks it sees (in the
     # key pass's order: the sums, and so the bits, are those of the fused key pass)
     for chunk in prange(0 if fused else q_chunks.shape[0] - 1):
+        user = (fns, score_args, mask_args, states, state_q, state_k)
+        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
+                user)
         q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
             block_q, block_k, d, d_v, lse)
         k_rows, dq_rows = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
@@ -235,6 +244,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
+                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
+                if state == _user.EMPTY:
+                    continue
                 inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
                 band = (inside, lo_off, hi_off, left, right)
 
@@ -244,7 +256,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                 _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
 
                 # -- S and dP, as in the key pass
-                at = (seq, h, q0, kb, diag0)
+                at = (seq, h, q0, kb, diag0, batch_q, state)
                 if pairs:
                     _pairs.pack_panel_pairs(k, batch_k, hk, k_start + kb, cols, k_panel_pairs)
                     _pairs.pack_panel_pairs(v, batch_k, hk, k_start + kb, cols, v_panel_pairs)
@@ -261,11 +273,11 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                                        lo_off, hi_off, has_chain)
 
                 # -- dQ += dS K (over what each row sees only, as in the key pass)
-                exact = (not inside or has_mask) and not (
+                exact = (not inside or _steps.masks_keys(mods, state)) and not (
                     rows_finite and _steps.finite_panels(k_panels, cols)
                     and _steps.finite_panels(v_panels, cols))
-                _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask,
-                          (mask_map[seq], h, q0, kb), pairs, ds_pairs, k_row_pairs)
+                _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods,
+                          at, pairs, ds_pairs, k_row_pairs)
 
             _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
 
@@ -280,14 +292,13 @@ def _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows):
 
 
 @jit
-def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mask, mask_at,
-              pairs, ds_pairs, k_row_pairs):
+def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods, at, pairs,
+              ds_pairs, k_row_pairs):
     """dQ += dS K: `pv_tile`, or with `exact`, `pv_tile_exact` (over the keys each row sees;
     the same bits for finite rows); with `pairs`, `_pairs.pv_tile_pairs` (dS rounded to
     bfloat16, as flash-attn does) unless `exact`."""
     if exact:
-        _steps.pv_tile_exact(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, mask,
-                             mask_at)
+        _steps.pv_tile_exact(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, mods, at)
     elif pairs:
         _pairs.pv_tile_pairs(ds, ds_pairs, k_row_pairs, dq_rows, ones, rows, cols, lo_off,
                              hi_off)
@@ -362,7 +373,7 @@ def _load_query_tile(q, dout, lse, delta, b, h, start, rows, q_tile, do_tile, ls
 
 
 def _signature(key):
-    dtype, compute = key
+    dtype, compute, user = key
     data = array(dtype, 4, readonly=True)
     grad = array(dtype, 4)
     per_row = array(compute, 3, readonly=True)
@@ -370,12 +381,11 @@ def _signature(key):
     rows2 = types.Array(numba.from_dtype(compute), 2, "C")  # whose row slices are "C" too
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
-    i8, f8 = types.int64, types.float64
+    i8 = types.int64
     return types.void(
         data, data, data, data, data, per_row, delta, grad, grad, grad, rows2,
-        index2, index2, index1, index2, index1, types.boolean, i8, i8, f8, f8, i8, i8, i8,
-        array(compute, 2, readonly=True), array(compute, 4, readonly=True), index1,
-        array(np.bool_, 4, readonly=True), index1)
+        index2, index2, index1, index2, index1, types.boolean, i8, i8, i8,
+        _steps.modifiers_type(compute, user))
 
 
 fa2_backward = Kernel(_fa2_backward, _signature, "attention backward")

@@ -22,22 +22,26 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array
-from . import _pairs, _steps
+from . import _pairs, _steps, _user
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
-                 qk_scale, softcap, left, right, half_kind, alibi, bias, bias_map, mask, mask_map,
-                 sinks):
+                 half_kind, modifiers):
     d = q.shape[3]
     dv = v.shape[3]
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
-    has_mask = mask.shape[0] > 0
+    # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
+    # together again in the loop, as `mods`)
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
+    fns, score_args, mask_args, states, state_q, state_k = user
     has_sinks = sinks.shape[0] > 0
-    modifiers = (qk_scale, softcap, alibi, bias, bias_map, mask, mask_map)
     no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
+        user = (fns, score_args, mask_args, states, state_q, state_k)
+        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
+                user)
         # -- thread-local tile state, allocated once per chunk of work items
         q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
         row_max = np.empty(block_q, dtype=cdtype)
@@ -74,6 +78,10 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
 
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
+                # -- a block mask's empty tiles are never visited
+                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
+                if state == _user.EMPTY:
+                    continue
                 # -- the band of this block each row sees (tile columns r + lo_off ..
                 # r + hi_off); blocks inside it need no element masks, and on its edges whole
                 # panels are skipped
@@ -96,21 +104,21 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 # -- S = scale * Q K^T and the score modifiers, in the order of the score
                 # pipeline, on each row's band; -inf where a key is hidden (element masks only
                 # in blocks that cross a band edge)
-                at = (seq, h, q0, kb, diag0)
+                at = (seq, h, q0, kb, diag0, batch_q, state)
                 band = (inside, lo_off, hi_off, left, right)
                 if pairs:
                     _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
-                                      modifiers)
+                                      mods)
                 else:
                     _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
-                                      modifiers)
+                                      mods)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
 
                 # -- acc = alpha * acc + P V; where some row cannot see every key and a value
                 # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
-                simple = (inside and not has_mask) or end <= first
+                simple = (inside and not _steps.masks_keys(mods, state)) or end <= first
                 if pairs and (simple or _pairs.finite_pairs(v_pairs, first // 2,
                                                             (end + 1) // 2, scores)):
                     _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
@@ -122,7 +130,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                         _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                          v_tile[first:], half_kind)
                     _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off,
-                                         mask, (mask_map[seq], h, q0, kb))
+                                         mods, at)
 
             # -- normalize once, write each output row once
             sink = sinks[h] if has_sinks else -np.inf
@@ -131,17 +139,13 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
 
 
 def _signature(key):
-    dtype, compute = key
+    dtype, compute, user = key
     data = array(dtype, 4, readonly=True)
-    calc4 = array(compute, 4, readonly=True)
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
-    i8, f8 = types.int64, types.float64
-    return types.void(
-        data, data, data, array(dtype, 4), array(compute, 3),
-        index2, index2, index1, i8, i8, i8, f8, f8, i8, i8, i8,
-        array(compute, 2, readonly=True), calc4, index1,
-        array(np.bool_, 4, readonly=True), index1, array(compute, 1, readonly=True))
+    i8 = types.int64
+    return types.void(data, data, data, array(dtype, 4), array(compute, 3), index2, index2,
+                      index1, i8, i8, i8, i8, _steps.modifiers_type(compute, user))
 
 
 fa2_forward = Kernel(_fa2_forward, _signature, "attention")

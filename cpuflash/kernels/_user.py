@@ -1,0 +1,446 @@
+"""User score and mask functions inside the tiles (FlexAttention's `score_mod` and `mask_mod`).
+
+A call's functions reach a kernel as one value of `UserFunctionsType`, a type that holds no data
+and carries a key: a digest of the functions' code (`cpuflash.flex`). The overloads below look
+the functions up by that key when the kernel compiles and inline them into its tile steps, so a
+kernel compiled for one pair of functions is machine code like any other, cached on disk under a
+signature that names the key (the same functions in another process hit that entry; an edited
+function gets a new key, and so a new entry). Calls without user functions pass the type of
+the empty key, for which every step below compiles to nothing.
+
+The derivative of a `score_mod` by its score comes from forward-mode automatic differentiation:
+the backward calls it on a `Dual` (value, slope) instead of a float, and the arithmetic and
+`math` functions overloaded here carry the slope along (exact to rounding: each rule is the
+derivative of its operation). Where the value of a dual is computed by the same operations in
+the same types as the forward's float, the backward rebuilds the forward's scores bit for bit.
+"""
+
+import math
+import operator
+
+import numpy as np
+from numba import types
+from numba.core import cgutils
+from numba.extending import NativeValue, intrinsic, make_attribute_wrapper, models, overload, \
+    register_model, typeof_impl, unbox
+
+from .._jit import HELPER_OPTIONS, jit
+
+# what a tile of a block mask is (`cpuflash.flex.BlockMask`): no key visible, some, every one
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+# key -> (score_mod, mask_mod): the jitted functions of the calls compiled in this process
+REGISTRY = {"": (None, None)}
+
+
+class UserFunctions:
+    """The value a call passes for its functions: only the key of `REGISTRY` they are under."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        self.key = key
+
+
+NONE = UserFunctions("")
+
+
+class UserFunctionsType(types.Opaque):
+    """The Numba type of `UserFunctions`: equal for equal keys, in any process."""
+
+    def __init__(self, key):
+        self.functions_key = key
+        super().__init__(name=f"UserFunctions({key})")
+
+
+@typeof_impl.register(UserFunctions)
+def _typeof_user_functions(value, context):
+    return UserFunctionsType(value.key)
+
+
+register_model(UserFunctionsType)(models.OpaqueModel)
+
+
+@unbox(UserFunctionsType)
+def _unbox_user_functions(typ, obj, c):
+    return NativeValue(cgutils.get_null_value(c.context.get_value_type(typ)))
+
+
+# The end of every argument tuple in a kernel's `user`: the tuples are never empty, as a
+# parallel loop of Numba cannot take an empty tuple in (the functions are called with
+# ``*args[:-1]``)
+ARGS_END = np.zeros(0, dtype=np.int8)
+
+
+def with_end(args):
+    """`args` as a kernel's `user` holds them (see `ARGS_END`)."""
+    return tuple(args) + (ARGS_END,)
+
+
+def _functions(fns):
+    return REGISTRY[fns.functions_key]
+
+
+# -- the steps of the tile pipeline --------------------------------------------------------
+
+def has_score_mod(fns):
+    """Whether the call has a `score_mod` (a constant of the compiled kernel)."""
+
+
+@overload(has_score_mod, jit_options=HELPER_OPTIONS)
+def _has_score_mod(fns):
+    present = _functions(fns)[0] is not None
+    return lambda fns: present
+
+
+def has_mask_mod(fns):
+    """Whether the call has a `mask_mod` (a constant of the compiled kernel)."""
+
+
+@overload(has_mask_mod, jit_options=HELPER_OPTIONS)
+def _has_mask_mod(fns):
+    present = _functions(fns)[1] is not None
+    return lambda fns: present
+
+
+def score_mod_tile(fns, scores, chain, rows, cols, spans, where, args):
+    """``s = score_mod(s, b, h, q_idx, kv_idx, *args)`` over each row's span of the tile (row r
+    at ``q_idx = q0 + r``, column c at ``kv_idx = kb + c``; ``where = (b, h, q0, kb)``,
+    ``spans = (lo_off, hi_off)`` as `_steps.row_span` takes them). Where `chain` has rows (the
+    backward), the mod runs on duals and ``chain *= d(mod)/d(s)``; `chain` holds 1 (or the
+    softcap's factor) where the mod is met."""
+
+
+@overload(score_mod_tile, jit_options=HELPER_OPTIONS)
+def _score_mod_tile(fns, scores, chain, rows, cols, spans, where, args):
+    score_mod = _functions(fns)[0]
+    if score_mod is None:
+        return lambda fns, scores, chain, rows, cols, spans, where, args: None
+
+    if not differentiable(score_mod, scores.dtype, args.types[:-1]):
+        # (the forward: `cpuflash.flex` refuses a backward through such a mod before it runs)
+        def apply_forward(fns, scores, chain, rows, cols, spans, where, args):
+            b, h, q0, kb = where
+            lo_off, hi_off = spans
+            for r in range(rows):
+                for c in range(max(0, r + lo_off), min(cols, r + hi_off + 1)):
+                    scores[r, c] = score_mod(scores[r, c], b, h, q0 + r, kb + c, *args[:-1])
+        return apply_forward
+
+    def apply(fns, scores, chain, rows, cols, spans, where, args):
+        b, h, q0, kb = where
+        lo_off, hi_off = spans
+        for r in range(rows):
+            first, end = max(0, r + lo_off), min(cols, r + hi_off + 1)
+            if chain.shape[0] > 0:
+                for c in range(first, end):
+                    out = score_mod(dual(scores[r, c], 1.0), b, h, q0 + r, kb + c,
+                                    *args[:-1])
+                    scores[r, c] = value_of(out)
+                    chain[r, c] *= slope_of(out)
+            else:
+                for c in range(first, end):
+                    scores[r, c] = score_mod(scores[r, c], b, h, q0 + r, kb + c, *args[:-1])
+    return apply
+
+
+def differentiable(score_mod, dtype, arg_types):
+    """Whether the jitted `score_mod` compiles on a `DualType` of `dtype` with `arg_types` after
+    the indices (then the error of Numba, or None)."""
+    return dual_error(score_mod, dtype, arg_types) is None
+
+
+def dual_error(score_mod, dtype, arg_types):
+    """Numba's error compiling `score_mod` on a dual score, or None when it compiles."""
+    try:
+        score_mod.compile((DualType(dtype),) + (types.int64,) * 4 + tuple(arg_types))
+    except Exception as exc:  # Numba's typing and lowering errors have no common base
+        return exc
+    return None
+
+
+def mask_mod_tile(fns, scores, rows, cols, spans, where, args):
+    """-inf where ``mask_mod(b, h, q_idx, kv_idx, *args)`` is False, over each row's span."""
+
+
+@overload(mask_mod_tile, jit_options=HELPER_OPTIONS)
+def _mask_mod_tile(fns, scores, rows, cols, spans, where, args):
+    mask_mod = _functions(fns)[1]
+    if mask_mod is None:
+        return lambda fns, scores, rows, cols, spans, where, args: None
+
+    def apply(fns, scores, rows, cols, spans, where, args):
+        b, h, q0, kb = where
+        lo_off, hi_off = spans
+        for r in range(rows):
+            for c in range(max(0, r + lo_off), min(cols, r + hi_off + 1)):
+                if not mask_mod(b, h, q0 + r, kb + c, *args[:-1]):
+                    scores[r, c] = -np.inf
+    return apply
+
+
+def mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
+    """`mask_mod` of one pair (True without one)."""
+
+
+@overload(mask_mod_sees, jit_options=HELPER_OPTIONS)
+def _mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
+    mask_mod = _functions(fns)[1]
+    if mask_mod is None:
+        return lambda fns, b, h, q_idx, kv_idx, args: True
+
+    def sees(fns, b, h, q_idx, kv_idx, args):
+        return mask_mod(b, h, q_idx, kv_idx, *args[:-1])
+    return sees
+
+
+@jit
+def tile_state(user, b, h, q0, rows, kb, cols):
+    """EMPTY, PARTIAL or FULL: what the block mask of ``user = (fns, score_args, mask_args,
+    states, block_q, block_k)`` says of the tile of rows q0 .. q0 + rows - 1 and keys kb ..
+    kb + cols - 1 (the kernel's tiles need not be the block mask's: a tile is EMPTY when every
+    block it meets is, FULL when every one is). Without a block mask: PARTIAL with a `mask_mod`
+    (it is called for every pair), FULL without."""
+    fns, _, _, states, block_q, block_k = user
+    if not has_mask_mod(fns):
+        return FULL
+    if states.shape[0] == 0:
+        return PARTIAL
+    sb = b if states.shape[0] > 1 else 0
+    sh = h if states.shape[1] > 1 else 0
+    empty = full = True
+    for i in range(q0 // block_q, (q0 + rows - 1) // block_q + 1):
+        for j in range(kb // block_k, (kb + cols - 1) // block_k + 1):
+            state = states[sb, sh, i, j]
+            empty = empty and state == EMPTY
+            full = full and state == FULL
+    return EMPTY if empty else FULL if full else PARTIAL
+
+
+# -- dual numbers: d(score_mod)/d(score) -------------------------------------------------
+
+class DualType(types.Type):
+    """A value and its derivative by the score, both of `dtype` (a float type)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        super().__init__(name=f"Dual({dtype})")
+
+
+@register_model(DualType)
+class _DualModel(models.StructModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, [("value", fe_type.dtype), ("slope", fe_type.dtype)])
+
+
+make_attribute_wrapper(DualType, "value", "value")
+make_attribute_wrapper(DualType, "slope", "slope")
+
+
+@intrinsic
+def _make_dual(typingctx, value, slope):
+    """A dual of `value`'s float type (the slope converted to it)."""
+    dtype = value if isinstance(value, types.Float) else types.float64
+
+    def codegen(context, builder, signature, args):
+        dual_value = cgutils.create_struct_proxy(signature.return_type)(context, builder)
+        dual_value.value = context.cast(builder, args[0], signature.args[0], dtype)
+        dual_value.slope = context.cast(builder, args[1], signature.args[1], dtype)
+        return dual_value._getvalue()
+    return DualType(dtype)(value, slope), codegen
+
+
+@jit
+def dual(value, slope):
+    """The dual (value, slope): a score whose derivative is tracked is ``dual(score, 1)``."""
+    return _make_dual(value, slope)
+
+
+def value_of(x):
+    """The value of a dual, or `x` itself."""
+
+
+@overload(value_of, jit_options=HELPER_OPTIONS)
+def _value_of(x):
+    if isinstance(x, DualType):
+        return lambda x: x.value
+    return lambda x: x
+
+
+def slope_of(x):
+    """The slope of a dual; 0 for a number (a mod whose result does not depend on the score)."""
+
+
+@overload(slope_of, jit_options=HELPER_OPTIONS)
+def _slope_of(x):
+    if isinstance(x, DualType):
+        return lambda x: x.slope
+    return lambda x: 0.0
+
+
+def _is_dual(*xs):
+    return any(isinstance(x, DualType) for x in xs)
+
+
+def _real(x):
+    return isinstance(x, (types.Number, types.Boolean, DualType))
+
+
+def _binary(op, rule):
+    """Overload `op` for duals: ``rule(a, da, b, db) -> (value, slope)`` with da, db the slopes
+    (0 for a number)."""
+    @overload(op, jit_options=HELPER_OPTIONS)
+    def dual_op(a, b):
+        if not (_is_dual(a, b) and _real(a) and _real(b)):
+            return None
+
+        def impl(a, b):
+            av, bv = value_of(a), value_of(b)
+            value, slope = rule(av, slope_of(a), bv, slope_of(b))
+            return _make_dual(value, slope)
+        return impl
+
+
+@jit
+def _add_rule(a, da, b, db):
+    return a + b, da + db
+
+
+@jit
+def _sub_rule(a, da, b, db):
+    return a - b, da - db
+
+
+@jit
+def _mul_rule(a, da, b, db):
+    return a * b, da * b + a * db
+
+
+@jit
+def _div_rule(a, da, b, db):
+    return a / b, (da * b - a * db) / (b * b)
+
+
+_binary(operator.add, _add_rule)
+_binary(operator.sub, _sub_rule)
+_binary(operator.mul, _mul_rule)
+_binary(operator.truediv, _div_rule)
+
+
+@overload(operator.pow, jit_options=HELPER_OPTIONS)
+def _dual_pow(a, b):
+    if not (isinstance(a, DualType) and isinstance(b, types.Number)):
+        return None  # (a dual exponent: not supported; Numba says so)
+    return lambda a, b: _make_dual(a.value ** b, b * a.value ** (b - 1) * a.slope)
+
+
+@overload(operator.neg, jit_options=HELPER_OPTIONS)
+def _dual_neg(a):
+    if isinstance(a, DualType):
+        return lambda a: _make_dual(-a.value, -a.slope)
+
+
+@overload(operator.pos, jit_options=HELPER_OPTIONS)
+def _dual_pos(a):
+    if isinstance(a, DualType):
+        return lambda a: a
+
+
+@overload(abs, jit_options=HELPER_OPTIONS)
+def _dual_abs(a):
+    if isinstance(a, DualType):
+        return lambda a: _make_dual(abs(a.value), -a.slope if a.value < 0 else a.slope)
+
+
+def _comparison(op):
+    @overload(op, jit_options=HELPER_OPTIONS)
+    def dual_compare(a, b):
+        if _is_dual(a, b) and _real(a) and _real(b):
+            return lambda a, b: op(value_of(a), value_of(b))
+
+
+for _op in (operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne):
+    _comparison(_op)
+
+
+def _choice(function, pick_first):
+    """min/max of two operands, one of them a dual: the slope of the one chosen."""
+    @overload(function, jit_options=HELPER_OPTIONS)
+    def dual_choice(a, b):
+        if not (_is_dual(a, b) and _real(a) and _real(b)):
+            return None
+
+        def impl(a, b):
+            first = pick_first(value_of(a), value_of(b))
+            chosen = function(value_of(a), value_of(b))
+            return _make_dual(chosen, slope_of(a) if first else slope_of(b))
+        return impl
+
+
+@jit
+def _first_is_max(a, b):
+    return a >= b
+
+
+@jit
+def _first_is_min(a, b):
+    return a <= b
+
+
+_choice(max, _first_is_max)
+_choice(min, _first_is_min)
+
+
+def _unary(function, rule):
+    """Overload `function` (of `math`) for duals: ``rule(x, fx) -> d function / dx``."""
+    @overload(function, jit_options=HELPER_OPTIONS)
+    def dual_function(x):
+        if isinstance(x, DualType):
+            def impl(x):
+                fx = function(x.value)
+                return _make_dual(fx, rule(x.value, fx) * x.slope)
+            return impl
+
+
+@jit
+def _exp_rule(x, fx):
+    return fx
+
+
+@jit
+def _log_rule(x, fx):
+    return 1.0 / x
+
+
+@jit
+def _sqrt_rule(x, fx):
+    return 0.5 / fx
+
+
+@jit
+def _tanh_rule(x, fx):
+    return 1.0 - fx * fx
+
+
+@jit
+def _sin_rule(x, fx):
+    return math.cos(x)
+
+
+@jit
+def _cos_rule(x, fx):
+    return -math.sin(x)
+
+
+@jit
+def _log1p_rule(x, fx):
+    return 1.0 / (1.0 + x)
+
+
+_unary(math.exp, _exp_rule)
+_unary(math.log, _log_rule)
+_unary(math.sqrt, _sqrt_rule)
+_unary(math.tanh, _tanh_rule)
+_unary(math.sin, _sin_rule)
+_unary(math.cos, _cos_rule)
+_unary(math.log1p, _log1p_rule)
