@@ -1,0 +1,389 @@
+"""Your own score and mask functions, compiled into the FA-2 kernels (FlexAttention on the CPU).
+
+A `score_mod(score, b, h, q_idx, kv_idx, *score_args)` and a `mask_mod(b, h, q_idx, kv_idx,
+*mask_args)` are plain Python, compiled by Numba and inlined into the kernels' tiles
+(`kernels._user`): the forward and the backward run them per score of the tiles they visit,
+never on an ``Nq x Nk`` array. A `BlockMask` says which tiles are empty (never visited), full
+(no `mask_mod` call) or partial.
+
+Functions are told apart by a digest of their code, of the code of what they call and of the
+values they read (`_digest`): a kernel compiled for them is cached on disk under that digest, so
+the same function in a new process loads it, and an edited one compiles its own.
+"""
+
+import hashlib
+import numbers
+import threading
+import types as pytypes
+
+import numba
+import numpy as np
+from numba import types
+from numba.core.registry import CPUDispatcher
+
+from . import _backward, _schedule, _validate, api
+from .kernels import _user
+
+__all__ = ["BlockMask", "block_mask", "flex_attention", "flex_attention_backward"]
+
+# the block mask's tiles when the caller names none: finer than the kernels' tiles (a kernel
+# tile is empty or full when all the blocks it meets are), coarse enough to be cheap to read
+DEFAULT_BLOCK = (64, 64)
+
+_lock = threading.Lock()
+_compiled = {}  # (role, function) -> (digest, jitted function)
+
+
+def _fail(exc, message):
+    raise exc(message) from None
+
+
+# -- the user's functions -------------------------------------------------------------------
+
+def _describe(value, seen):
+    """Bytes that change when `value`, read by a user function, changes what it computes."""
+    if isinstance(value, CPUDispatcher):
+        value = value.py_func
+    if isinstance(value, pytypes.FunctionType):
+        return _digest(value, seen).encode()
+    if isinstance(value, pytypes.ModuleType):
+        return f"module {value.__name__}".encode()
+    if isinstance(value, np.ndarray):
+        return (f"array {value.dtype} {value.shape} ".encode()
+                + hashlib.sha256(np.ascontiguousarray(value).tobytes()).digest())
+    if isinstance(value, (numbers.Number, str, bytes, bool, type(None), np.generic)):
+        return f"{type(value).__name__} {value!r}".encode()
+    if isinstance(value, tuple):
+        return b"(" + b",".join(_describe(x, seen) for x in value) + b")"
+    return f"{type(value).__module__}.{type(value).__qualname__}".encode()
+
+
+def _feed_code(digest, code, function, seen):
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    digest.update(f"{code.co_argcount} {code.co_varnames}".encode())
+    for const in code.co_consts:
+        if isinstance(const, pytypes.CodeType):
+            _feed_code(digest, const, function, seen)
+        else:
+            digest.update(repr(const).encode())
+    for name in code.co_names:
+        if name in function.__globals__:
+            digest.update(name.encode() + _describe(function.__globals__[name], seen))
+
+
+def _digest(function, seen=None):
+    """A hex digest of `function`'s code, of what it reads (globals, closure cells) and of the
+    functions it calls, recursively."""
+    seen = set() if seen is None else seen
+    if id(function) in seen:
+        return "recursive"
+    seen.add(id(function))
+    digest = hashlib.sha256(f"{function.__module__}.{function.__qualname__}".encode())
+    _feed_code(digest, function.__code__, function, seen)
+    for cell in function.__closure__ or ():
+        digest.update(_describe(cell.cell_contents, seen))
+    for value in function.__defaults__ or ():
+        digest.update(_describe(value, seen))
+    return digest.hexdigest()
+
+
+def _user_function(role, function):
+    """(digest, jitted function) of a user function given as `role` ("score_mod", ...)."""
+    if isinstance(function, CPUDispatcher):
+        function = function.py_func
+    if not isinstance(function, pytypes.FunctionType):
+        _fail(TypeError, f"`{role}` must be a Python function (or a numba.njit one), got "
+                         f"{type(function).__name__}")
+    with _lock:
+        known = _compiled.get((role, function))
+        if known is None:
+            jitted = numba.njit(nogil=True, error_model="numpy", boundscheck=False,
+                                fastmath=_jit_fastmath())(function)
+            known = _compiled[(role, function)] = (_digest(function), jitted)
+    return known
+
+
+def _jit_fastmath():
+    from ._jit import FASTMATH
+
+    return FASTMATH
+
+
+def _check_compiles(role, function, jitted, arg_types, want):
+    """Compile `jitted` for `arg_types` now, so that a function Numba cannot compile, or one
+    returning the wrong kind of value, is a TypeError naming it before any work."""
+    name = getattr(function, "__qualname__", role)
+    try:
+        jitted.compile(tuple(arg_types))
+        result = jitted.overloads[tuple(arg_types)].signature.return_type
+    except Exception as exc:  # Numba's typing and lowering errors have no common base
+        reason = str(exc).strip().splitlines()
+        reason = "; ".join(line.strip() for line in reason[:6] if line.strip())
+        _fail(TypeError, f"`{role}` ({name}) cannot be compiled by Numba for arguments "
+                         f"({', '.join(str(t) for t in arg_types)}): {reason}")
+    if want == "bool" and result != types.boolean:
+        _fail(TypeError, f"`{role}` ({name}) must return a bool (True: the key takes part), "
+                         f"got {result}")
+    if want == "number" and not isinstance(result, (types.Number, types.Boolean)):
+        _fail(TypeError, f"`{role}` ({name}) must return a number (the new score), got {result}")
+
+
+def _args_value(name, args):
+    """A `score_args`/`mask_args` value as the kernels take it: a tuple of arrays and numbers,
+    arrays C-contiguous (so that one kernel serves any strides)."""
+    if not isinstance(args, (tuple, list)):
+        _fail(TypeError, f"`{name}` must be a tuple of arrays and numbers, got "
+                         f"{type(args).__name__}")
+    values = []
+    for i, x in enumerate(args):
+        if isinstance(x, np.ndarray):
+            if x.dtype.kind not in "biuf":
+                _fail(TypeError, f"`{name}[{i}]` must be a bool, integer or float array, got "
+                                 f"dtype {x.dtype}")
+            values.append(np.ascontiguousarray(x))
+        elif isinstance(x, (bool, numbers.Integral, numbers.Real, np.generic)):
+            values.append(x)
+        else:
+            x = _validate.as_array(f"{name}[{i}]", x)  # a torch tensor, a list
+            values.append(np.ascontiguousarray(x))
+    return tuple(values)
+
+
+def _functions(score_mod, mask_mod, score_args, mask_args, compute):
+    """`_user.UserFunctions` of the call, registered for the kernels' compile, after checking
+    that the functions compile for the call's argument types."""
+    score_type = numba.from_dtype(compute)
+    index = (types.int64,) * 4
+    key_parts = []
+    registered = [None, None]
+    for slot, (role, function, args, want, lead) in enumerate((
+            ("score_mod", score_mod, score_args, "number", (score_type,) + index),
+            ("mask_mod", mask_mod, mask_args, "bool", index))):
+        if function is None:
+            key_parts.append("-")
+            continue
+        digest, jitted = _user_function(role, function)
+        arg_types = lead + tuple(numba.typeof(x) for x in args)
+        _check_compiles(role, function, jitted, arg_types, want)
+        key_parts.append(digest[:20])
+        registered[slot] = jitted
+    if registered == [None, None]:
+        return _user.NONE
+    key = "_".join(key_parts)
+    _user.REGISTRY.setdefault(key, tuple(registered))
+    return _user.UserFunctions(key)
+
+
+# -- block masks ----------------------------------------------------------------------------
+
+class BlockMask:
+    """Which tiles of a `mask_mod` are empty, partial or full, found once (`block_mask`).
+
+    ``states[b, h, i, j]`` is `EMPTY`, `PARTIAL` or `FULL` for the query rows ``i * block_q ..``
+    and the keys ``j * block_k ..``; a batch or head axis of length 1 stands for all. The
+    mask it was built from travels with it: ``flex_attention(..., block_mask=bm)`` applies it.
+    """
+
+    EMPTY, PARTIAL, FULL = _user.EMPTY, _user.PARTIAL, _user.FULL
+
+    def __init__(self, mask_mod, args, shape, block, states):
+        self.mask_mod = mask_mod
+        self.args = args
+        self.shape = shape  # (B, H, Nq, Nk)
+        self.block = block  # (block_q, block_k)
+        self.states = states
+
+    def sparsity(self):
+        """The share of (b, h) tiles that are empty, as torch's `BlockMask.sparsity` (in %)."""
+        return 100.0 * float(np.mean(self.states == _user.EMPTY))
+
+    def __repr__(self):
+        counts = {name: int(np.sum(self.states == value)) for name, value in
+                  (("empty", self.EMPTY), ("partial", self.PARTIAL), ("full", self.FULL))}
+        return (f"BlockMask(shape={self.shape}, block={self.block}, "
+                + ", ".join(f"{k}={v}" for k, v in counts.items()) + ")")
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        _fail(ValueError, f"`{name}` must be a positive int, got {value!r}")
+    return int(value)
+
+
+def block_mask(mask_mod, B, H, Nq, Nk, *, args=(), block=None):
+    """The `BlockMask` of `mask_mod` for `B` batch entries, `H` query heads and `Nq` x `Nk`
+    scores (B or H may be 1: the mask is then the same for every batch entry or head).
+
+    `mask_mod(b, h, q_idx, kv_idx, *args)` returns True where the key takes part. It is called
+    once for every (b, h, q_idx, kv_idx), compiled; reuse the result across layers and calls.
+    `block` is ``(block_q, block_k)`` or one int for both, default 64.
+    """
+    if mask_mod is None:
+        _fail(TypeError, "`mask_mod` must be a function, got None")
+    B, H, Nq, Nk = (_positive(n, x) for n, x in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk)))
+    if block is None:
+        block = DEFAULT_BLOCK
+    elif isinstance(block, numbers.Integral):
+        block = (block, block)
+    if not (isinstance(block, (tuple, list)) and len(block) == 2):
+        _fail(ValueError, f"`block` must be an int or (block_q, block_k), got {block!r}")
+    block = (_positive("block[0]", block[0]), _positive("block[1]", block[1]))
+    args = _args_value("args", args)
+    digest, jitted = _user_function("mask_mod", mask_mod)
+    _check_compiles("mask_mod", mask_mod, jitted,
+                    (types.int64,) * 4 + tuple(numba.typeof(x) for x in args), "bool")
+    states = np.empty((B, H, -(-Nq // block[0]), -(-Nk // block[1])), dtype=np.int8)
+    _block_states(jitted, _user.with_end(args), states, Nq, Nk, block[0], block[1])
+    return BlockMask(mask_mod, args, (B, H, Nq, Nk), block, states)
+
+
+@numba.njit(nogil=True, cache=False)
+def _block_states(mask_mod, args, states, n_q, n_k, block_q, block_k):
+    for b in range(states.shape[0]):
+        for h in range(states.shape[1]):
+            for i in range(states.shape[2]):
+                for j in range(states.shape[3]):
+                    seen = hidden = 0
+                    for q in range(i * block_q, min(n_q, (i + 1) * block_q)):
+                        for k in range(j * block_k, min(n_k, (j + 1) * block_k)):
+                            if mask_mod(b, h, q, k, *args[:-1]):
+                                seen += 1
+                            else:
+                                hidden += 1
+                    states[b, h, i, j] = (_user.EMPTY if seen == 0 else
+                                         _user.FULL if hidden == 0 else _user.PARTIAL)
+
+
+# -- attention ------------------------------------------------------------------------------
+
+def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask):
+    """Put the user's functions into the validated `call` (its `user`), checking them and the
+    block mask against it."""
+    score_args = _args_value("score_args", score_args)
+    states = _validate.NO_USER_FUNCTIONS[3]
+    block = (1, 1)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            _fail(TypeError, f"`block_mask` must be a cpuflash BlockMask (from "
+                             f"`cpuflash.block_mask`), got {type(block_mask).__name__}")
+        B, H, Nq, Nk = block_mask.shape
+        if (B not in (1, call.batch) or H not in (1, call.n_heads) or Nq != call.n_q
+                or Nk != call.n_k):
+            _fail(ValueError, f"`block_mask` was built for (B, H, Nq, Nk) = {block_mask.shape};"
+                              f" this call needs B in (1, {call.batch}), H in (1, "
+                              f"{call.n_heads}), Nq = {call.n_q}, Nk = {call.n_k}")
+        if mask_mod is None:
+            mask_mod, mask_args = block_mask.mask_mod, block_mask.args
+        elif _user_function("mask_mod", mask_mod)[0] != _user_function(
+                "mask_mod", block_mask.mask_mod)[0]:
+            _fail(ValueError, "`mask_mod` must be the function `block_mask` was built from "
+                              "(or be left out: the block mask brings its own)")
+        states, block = block_mask.states, block_mask.block
+    mask_args = _args_value("mask_args", mask_args)
+    if mask_mod is None and mask_args:
+        _fail(ValueError, "`mask_args` given without a `mask_mod`")
+    if score_mod is None and score_args:
+        _fail(ValueError, "`score_args` given without a `score_mod`")
+    fns = _functions(score_mod, mask_mod, score_args, mask_args, call.compute_dtype)
+    if fns is _user.NONE:
+        return
+    call.user = (fns, _user.with_end(score_args), _user.with_end(mask_args), states,
+                 block[0], block[1])
+
+
+def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mask_args=(),
+                   block_mask=None, causal=False, scale=None, window=None, softcap=0.0,
+                   alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+                   return_lse=False, out=None, tiles=None):
+    """`cpuflash.attention` with your own score and mask functions compiled into its tiles.
+
+    Parameters
+    ----------
+    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout,
+    return_lse, out, tiles
+        As in `cpuflash.attention`.
+    score_mod : function, optional
+        ``score_mod(score, b, h, q_idx, kv_idx, *score_args) -> new score``, torch
+        FlexAttention's signature with the extra arguments appended: `b` the batch entry, `h`
+        the query head, `q_idx` and `kv_idx` the row indices in the call. It runs after the
+        built-in steps (scale, softcap, ALiBi, bias) and before the masks.
+    score_args : tuple of arrays and numbers
+        Passed to `score_mod` after the indices.
+    mask_mod : function, optional
+        ``mask_mod(b, h, q_idx, kv_idx, *mask_args) -> bool``: False hides the key (with the
+        built-in rules: a key takes part where every rule lets it).
+    mask_args : tuple of arrays and numbers
+    block_mask : BlockMask, optional
+        From `cpuflash.block_mask`: its empty tiles are never visited and its full ones call
+        no `mask_mod`. It brings its `mask_mod` and args (give `mask_mod` too only as the same
+        function). Without one, `mask_mod` is called for every score.
+
+    Returns
+    -------
+    As `cpuflash.attention`.
+
+    Notes
+    -----
+    Functions are compiled by Numba once per function and dtype (the kernels with them
+    inlined are cached on disk); one Numba cannot compile is a TypeError naming it. Indices
+    into `score_args`/`mask_args` arrays are not bounds-checked: they must be in range.
+    """
+    call = _validate.attention_args(
+        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
+        return_lse=return_lse, out=out, tiles=tiles)
+    _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask)
+    if not (call.n_q and call.batch and call.n_heads):
+        return call.result(return_lse)
+    api._run_forward(call, _schedule.sequence_table(call.n_q, call.n_k, call.batch))
+    return call.result(return_lse)
+
+
+def flex_attention_backward(dout, q, k, v, out, lse, *, score_mod=None, score_args=(),
+                            mask_mod=None, mask_args=(), block_mask=None, causal=False,
+                            scale=None, window=None, softcap=0.0, alibi_slopes=None, bias=None,
+                            mask=None, sinks=None, layout="bhsd", dq=None, dk=None, dv=None,
+                            score_mod_grad=None):
+    """Gradients of `flex_attention` with respect to q, k, v (and sinks).
+
+    Takes the forward's arguments and `dout`, `out`, `lse` as `cpuflash.attention_backward`
+    does. The derivative of `score_mod` by its score is found by cpuflash (forward-mode
+    automatic differentiation: `score_mod` runs on dual numbers, through ``+ - * / **``,
+    comparisons, ``abs``, ``min``, ``max`` and ``math.exp, log, log1p, sqrt, tanh, sin, cos``).
+
+    Returns ``(dq, dk, dv)``, and ``dsinks`` with `sinks`, as `cpuflash.attention_backward`.
+    Gradients of `score_args` (`score_mod_grad`) are not supported yet: a NotImplementedError.
+    """
+    if score_mod_grad is not None:
+        _fail(NotImplementedError, "`score_mod_grad` (gradients of `score_args`) is not "
+                                   "supported yet; the gradients of q, k and v need none")
+    q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
+    call = _validate.attention_args(
+        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
+        return_lse=True)
+    _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask)
+    if score_mod is not None:
+        _check_differentiable(score_mod, call)
+    grads = _backward.gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
+    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    delta = _backward._run_backward(call, grads, seqs)
+    result = grads.result()
+    if call.sinks.size:
+        result += (_backward._sink_gradient(call.sinks, grads.lse, delta),)
+    return result
+
+
+def _check_differentiable(score_mod, call):
+    """A TypeError naming `score_mod` when it cannot run on dual numbers."""
+    _, jitted = _user_function("score_mod", score_mod)
+    error = _user.dual_error(jitted, numba.from_dtype(call.compute_dtype),
+                             [numba.typeof(x) for x in call.user[1][:-1]])
+    if error is not None:
+        reason = "; ".join(line.strip() for line in str(error).strip().splitlines()[:4]
+                           if line.strip())
+        _fail(TypeError, f"`score_mod` ({score_mod.__qualname__}) cannot be differentiated "
+                         f"by cpuflash: it must use only + - * / **, comparisons, abs, min, max "
+                         f"and math.exp/log/log1p/sqrt/tanh/sin/cos on the score. Numba says: "
+                         f"{reason}")

@@ -1,0 +1,299 @@
+"""User score and mask functions compiled into the kernels (`cpuflash.flex_attention`).
+
+Most checks write a user function that means the same as a built-in modifier (a bias table, a
+bool mask, a softcap) and compare with the built-in call, whose accuracy the other test files
+establish against the dense oracle: the forward through the accuracy rule on the dense
+equivalent, the gradients against the built-in backward in float64.
+"""
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+import cpuflash
+
+from accuracy import assert_close_to_reference, assert_within_rule, tolerance
+from helpers import assert_same_bits, random_qkv
+
+N_REL = 512  # the relative-position table covers distances -N_REL .. N_REL - 1
+
+
+def rel_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, q_idx - kv_idx + N_REL]
+
+
+def same_doc(b, h, q_idx, kv_idx, doc):
+    return doc[b, q_idx] == doc[b, kv_idx]
+
+
+def tanh_cap(score, b, h, q_idx, kv_idx):
+    return 30.0 * math.tanh(score / 30.0)
+
+
+def dense_bias(table, n_q, n_k):
+    qi, ki = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    return table[:, qi - ki + N_REL][None]  # (1, H, Nq, Nk)
+
+
+def dense_doc_mask(doc, n_q, n_k):
+    return doc[:, None, :n_q, None] == doc[:, None, None, :n_k]  # (B, 1, Nq, Nk)
+
+
+def documents(rng, batch, n):
+    """Sorted document ids per row of each batch entry (a packed batch): (batch, n) int64."""
+    return np.sort(rng.integers(0, 4, size=(batch, n)), axis=1)
+
+
+@pytest.fixture
+def case(rng):
+    b, hq, hk, n, d = 2, 4, 2, 150, 40
+    q, k, v = random_qkv(rng, (b, hq, n, d), (b, hk, n, d))
+    table = (rng.standard_normal((hq, 2 * N_REL)) * 0.5).astype(np.float32)
+    return q, k, v, table, documents(rng, b, n)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_is_the_bias_it_computes(case, causal):
+    q, k, v, table, _ = case
+    n = q.shape[2]
+    out, lse = cpuflash.flex_attention(q, k, v, score_mod=rel_bias, score_args=(table,),
+                                       causal=causal, return_lse=True)
+    bias = dense_bias(table, n, n)
+    assert_close_to_reference(out, q, k, v, lse=lse, bias=bias, causal=causal)
+    # the same additions as the built-in bias step, in the same order: the same bits
+    assert_same_bits(out, cpuflash.attention(q, k, v, bias=bias, causal=causal))
+
+
+def test_mask_mod_with_and_without_block_mask(case):
+    q, k, v, table, doc = case
+    b, hq, n, _ = q.shape
+    mask = dense_doc_mask(doc, n, n)
+    expected = cpuflash.attention(q, k, v, mask=mask, causal=True)
+    plain = cpuflash.flex_attention(q, k, v, mask_mod=same_doc, mask_args=(doc,), causal=True)
+    assert_close_to_reference(plain, q, k, v, mask=mask, causal=True)
+    assert_same_bits(plain, expected)
+    for block in (16, (32, 8), 64, 1000):
+        bm = cpuflash.block_mask(same_doc, b, 1, n, n, args=(doc,), block=block)
+        got = cpuflash.flex_attention(q, k, v, block_mask=bm, causal=True)
+        assert_same_bits(got, expected, f"block {block}")
+
+
+def test_block_mask_states(rng):
+    doc = np.repeat(np.arange(4), 32)[None]  # four documents of 32 rows
+    bm = cpuflash.block_mask(same_doc, 1, 1, 128, 128, args=(doc,), block=32)
+    assert np.array_equal(bm.states[0, 0], np.where(np.eye(4, dtype=bool), bm.FULL, bm.EMPTY))
+    bm = cpuflash.block_mask(same_doc, 1, 1, 128, 128, args=(doc,), block=48)
+    assert bm.states.shape == (1, 1, 3, 3)
+    assert bm.states[0, 0, 0, 0] == bm.PARTIAL and bm.states[0, 0, 0, 2] == bm.EMPTY
+    assert bm.sparsity() == pytest.approx(100 * 4 / 9)  # (0, 2), (1, 2), (2, 0), (2, 1)
+
+
+def test_everything_at_once(case):
+    q, k, v, table, doc = case
+    b, hq, n, _ = q.shape
+    q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))  # bshd
+    slopes = np.linspace(0.1, 0.4, hq).astype(np.float32)
+    sinks = np.linspace(-1, 1, hq).astype(np.float32)
+    kwargs = dict(window=(40, 3), softcap=25.0, alibi_slopes=slopes, sinks=sinks, layout="bshd")
+    bm = cpuflash.block_mask(same_doc, b, hq, n, n, args=(doc,), block=24)
+    out = cpuflash.flex_attention(q, k, v, score_mod=rel_bias, score_args=(table,),
+                                  block_mask=bm, **kwargs)
+    # the user's bias comes after the built-in steps, as the dense bias does
+    assert_close_to_reference(out, q, k, v, bias=dense_bias(table, n, n),
+                              mask=dense_doc_mask(doc, n, n), **kwargs)
+
+
+def test_float64_and_the_scores_dtype(rng):
+    q, k, v = random_qkv(rng, (1, 2, 70, 16), (1, 2, 90, 16), dtype=np.float64)
+    table = rng.standard_normal((2, 2 * N_REL))
+    out = cpuflash.flex_attention(q, k, v, score_mod=rel_bias, score_args=(table,))
+    assert out.dtype == np.float64
+    assert_close_to_reference(out, q, k, v, bias=dense_bias(table, 70, 90))
+
+
+def test_numba_jitted_functions_and_closures(case):
+    q, k, v, table, doc = case
+    n = q.shape[2]
+    shift = 0.25
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + shift * (h + 1)
+
+    out = cpuflash.flex_attention(q, k, v, score_mod=numba.njit(shifted))
+    bias = np.broadcast_to(0.25 * np.arange(1, 5, dtype=np.float32)[None, :, None, None],
+                           (1, 4, n, n))
+    assert_close_to_reference(out, q, k, v, bias=bias)
+
+
+def test_a_row_that_sees_no_key(rng):
+    q, k, v = random_qkv(rng, (1, 1, 40, 8), (1, 1, 40, 8))
+
+    def hide_row_7(b, h, q_idx, kv_idx):
+        return q_idx != 7
+
+    for bm in (None, cpuflash.block_mask(hide_row_7, 1, 1, 40, 40, block=8)):
+        out, lse = cpuflash.flex_attention(q, k, v, mask_mod=hide_row_7, block_mask=bm,
+                                           return_lse=True)
+        assert np.all(out[0, 0, 7] == 0) and lse[0, 0, 7] == -np.inf
+        assert np.all(np.isfinite(lse[0, 0, :7]))
+
+
+def test_bits_do_not_depend_on_the_thread_count(case):
+    q, k, v, table, doc = case
+    b, hq, n, _ = q.shape
+    bm = cpuflash.block_mask(same_doc, b, 1, n, n, args=(doc,))
+    kwargs = dict(score_mod=tanh_cap, block_mask=bm, causal=True)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for threads in sorted({1, before}):
+            numba.set_num_threads(threads)
+            out, lse = cpuflash.flex_attention(q, k, v, return_lse=True, **kwargs)
+            dout = np.random.default_rng(0).standard_normal(out.shape).astype(np.float32)
+            grads = cpuflash.flex_attention_backward(dout, q, k, v, out, lse, **kwargs)
+            results.append((out,) + grads)
+    finally:
+        numba.set_num_threads(before)
+    for got in results[1:]:
+        for x, y in zip(got, results[0]):
+            assert_same_bits(x, y)
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+def flex_gradients(rng, q, k, v, **kwargs):
+    out, lse = cpuflash.flex_attention(q, k, v, return_lse=True, **kwargs)
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    return dout, cpuflash.flex_attention_backward(dout, q, k, v, out, lse, **kwargs)
+
+
+def builtin_gradients(dout, q, k, v, **kwargs):
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, **kwargs)
+    return cpuflash.attention_backward(dout, q, k, v, out, lse, **kwargs)
+
+
+def assert_gradients_like_builtin(got, dout, q, k, v, **kwargs):
+    """Each gradient within the accuracy rule, with the built-in float32 backward (tested against
+    the dense oracle elsewhere) as the plain implementation and its float64 run as the oracle."""
+    wide = [x.astype(np.float64) for x in (dout, q, k, v)]
+    wide_kwargs = {key: (x.astype(np.float64) if isinstance(x, np.ndarray) and x.dtype.kind == "f"
+                         else x) for key, x in kwargs.items()}
+    oracle = builtin_gradients(*wide, **wide_kwargs)
+    plain = builtin_gradients(dout, q, k, v, **kwargs)
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, oracle, plain):
+        assert g.shape == r.shape and g.dtype == q.dtype
+        plain_error = float(np.abs(p - r).max())
+        assert_within_rule(np.abs(g - r), plain_error,
+                           tolerance(np.float32) * float(np.abs(r).max()), name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_of_a_bias_mod_are_the_bias_gradients(rng, case, causal):
+    q, k, v, table, doc = case
+    n = q.shape[2]
+    dout, got = flex_gradients(rng, q, k, v, score_mod=rel_bias, score_args=(table,),
+                               mask_mod=same_doc, mask_args=(doc,), causal=causal)
+    expected = builtin_gradients(dout, q, k, v, bias=dense_bias(table, n, n),
+                                 mask=dense_doc_mask(doc, n, n), causal=causal)
+    for g, e in zip(got, expected):
+        assert_same_bits(g, e)
+
+
+def test_gradients_through_a_nonlinear_mod(rng, case):
+    """d(score_mod)/d(score) by dual numbers: a softcap written by hand, against the built-in
+    softcap's gradients."""
+    q, k, v, _, doc = case
+    b, hq, n, _ = q.shape
+    bm = cpuflash.block_mask(same_doc, b, 1, n, n, args=(doc,), block=32)
+    dout, got = flex_gradients(rng, q, k, v, score_mod=tanh_cap, block_mask=bm, causal=True)
+    assert_gradients_like_builtin(got, dout, q, k, v, softcap=30.0, causal=True,
+                                  mask=dense_doc_mask(doc, n, n))
+
+
+def test_gradients_of_every_differentiable_operation(rng):
+    """A mod using each rule of the dual numbers, against central differences in float64."""
+    def mixed(score, b, h, q_idx, kv_idx, w):
+        x = abs(score) ** 1.5 / (1.0 + math.exp(-score)) - min(score, 0.3) * max(score, -0.2)
+        return (x + math.log1p(score * score) - math.sqrt(2.0 + math.sin(score))
+                + math.cos(score) * math.tanh(score) + w[h] * -score)
+
+    q, k, v = random_qkv(rng, (1, 2, 20, 8), (1, 2, 24, 8), dtype=np.float64)
+    w = np.array([0.5, -1.5])
+    kwargs = dict(score_mod=mixed, score_args=(w,))
+    dout, (dq, dk, dv) = flex_gradients(rng, q, k, v, **kwargs)
+
+    def loss(q_):
+        return float(np.sum(cpuflash.flex_attention(q_, k, v, **kwargs) * dout))
+
+    eps = 1e-6
+    for index in [(0, 0, 0, 0), (0, 1, 5, 3), (0, 1, 19, 7)]:
+        plus, minus = q.copy(), q.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        numeric = (loss(plus) - loss(minus)) / (2 * eps)
+        assert dq[index] == pytest.approx(numeric, rel=1e-5, abs=1e-8)
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+def test_a_function_numba_cannot_compile_is_named(case):
+    q, k, v, _, _ = case
+
+    def python_only(x):  # not compiled: Numba cannot call it
+        return x
+
+    def calls_python(score, b, h, q_idx, kv_idx):
+        return score + python_only(h)
+
+    with pytest.raises(TypeError, match="score_mod.*calls_python.*cannot be compiled"):
+        cpuflash.flex_attention(q, k, v, score_mod=calls_python)
+
+
+def test_mask_mod_must_return_a_bool(case):
+    q, k, v, _, _ = case
+
+    def returns_an_int(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx
+
+    with pytest.raises(TypeError, match="mask_mod.*returns_an_int.*must return a bool"):
+        cpuflash.flex_attention(q, k, v, mask_mod=returns_an_int)
+    with pytest.raises(TypeError, match="must return a bool"):
+        cpuflash.block_mask(returns_an_int, 1, 1, 8, 8)
+
+
+def test_block_mask_must_fit_the_call(case):
+    q, k, v, _, doc = case
+    b, hq, n, _ = q.shape
+    bm = cpuflash.block_mask(same_doc, b, 1, n - 1, n, args=(doc,))
+    with pytest.raises(ValueError, match="block_mask.*Nq = 150"):
+        cpuflash.flex_attention(q, k, v, block_mask=bm)
+    bm = cpuflash.block_mask(same_doc, b, 1, n, n, args=(doc,))
+
+    def other(b, h, q_idx, kv_idx, doc):
+        return q_idx >= kv_idx
+
+    with pytest.raises(ValueError, match="mask_mod.*the function `block_mask` was built from"):
+        cpuflash.flex_attention(q, k, v, block_mask=bm, mask_mod=other, mask_args=(doc,))
+    with pytest.raises(TypeError, match="block_mask.*BlockMask"):
+        cpuflash.flex_attention(q, k, v, block_mask=np.ones((1, 1, n, n), bool))
+
+
+def test_arguments_without_their_function(case):
+    q, k, v, table, _ = case
+    with pytest.raises(ValueError, match="score_args.*without a `score_mod`"):
+        cpuflash.flex_attention(q, k, v, score_args=(table,))
+    with pytest.raises(TypeError, match="score_args.*tuple"):
+        cpuflash.flex_attention(q, k, v, score_mod=rel_bias, score_args=table)
+
+
+def test_a_mod_that_cannot_be_differentiated(rng, case):
+    q, k, v, _, _ = case
+
+    def rounds(score, b, h, q_idx, kv_idx):
+        return float(int(score * 4.0)) / 4.0
+
+    out, lse = cpuflash.flex_attention(q, k, v, score_mod=rounds, return_lse=True)
+    with pytest.raises(TypeError, match="score_mod.*rounds.*cannot be differentiated"):
+        cpuflash.flex_attention_backward(out, q, k, v, out, lse, score_mod=rounds)
