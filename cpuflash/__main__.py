@@ -10,8 +10,8 @@ Usage
     process; print a markdown table and write ``bench.json``, ``bench.md`` and ``bench.png``
     to ``DIR``. Needs a source checkout: the runner is the repository's ``bench/runner.py``.
 ``python -m cpuflash warmup [--dtype DTYPE ...]``
-    Compile and cache the kernels (forward, backward, decoding) ahead of the first call; print
-    what and where.
+    Compile and cache the kernels (forward, backward, decoding; the decoding of 8-bit KV caches
+    with ``--dtype int8`` or ``float8_e4m3``) ahead of the first call; print what and where.
 """
 
 import argparse
@@ -163,35 +163,49 @@ def _bench(arguments):
 
 
 WARMUP_DTYPES = ("float32", "float64", "float16", "bfloat16")
+# the formats of an 8-bit KV cache (`cpuflash.quantize_kv`): one decode kernel each, whatever
+# the dtype of the queries
+WARMUP_CACHE_FORMATS = ("int8", "float8_e4m3")
 
 
-def _warmup(arguments):
-    """Compile (or load from the cache) the attention, backward and decoding kernels of each
-    dtype."""
-    import time
-
+def _warmup_calls(name):
+    """(what, call) for each kernel that `name` needs: a dtype's attention, backward and
+    decoding, or an 8-bit cache format's decoding."""
     import numpy as np
 
     import cpuflash
 
-    dtypes = WARMUP_DTYPES if "all" in arguments.dtype else arguments.dtype
+    if name in WARMUP_CACHE_FORMATS:
+        q = np.zeros((1, 1, 1, 8), np.float32)
+        cache = cpuflash.quantize_kv(np.zeros((1, 1, 4, 8), np.float32), name)
+        return [("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(q, cache, cache))]
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        if name != "bfloat16":
+            raise
+        import ml_dtypes  # numpy knows bfloat16 by name only once ml_dtypes is imported
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    x = np.zeros((1, 1, 4, 8), dtype)
+    lse = np.zeros(x.shape[:-1], np.float64 if dtype == np.float64 else np.float32)
+    return [("attention", lambda: cpuflash.attention(x, x, x)),
+            ("attention backward", lambda: cpuflash.attention_backward(x, x, x, x, x, lse)),
+            ("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))]
+
+
+def _warmup(arguments):
+    """Compile (or load from the cache) the attention, backward and decoding kernels of each
+    dtype, and the decoding kernel of each 8-bit cache format."""
+    import time
+
+    import numpy as np
+
+    dtypes = WARMUP_DTYPES + WARMUP_CACHE_FORMATS if "all" in arguments.dtype \
+        else arguments.dtype
     os.environ["CPUFLASH_QUIET"] = "1"  # this command says what it compiles itself
     for name in dict.fromkeys(dtypes):
-        try:
-            dtype = np.dtype(name)
-        except TypeError:
-            if name != "bfloat16":
-                raise
-            import ml_dtypes  # numpy knows bfloat16 by name only once ml_dtypes is imported
-
-            dtype = np.dtype(ml_dtypes.bfloat16)
-        x = np.zeros((1, 1, 4, 8), dtype)
-        lse = np.zeros(x.shape[:-1], np.float64 if dtype == np.float64 else np.float32)
-        for what, call in (("attention", lambda: cpuflash.attention(x, x, x)),
-                           ("attention backward",
-                            lambda: cpuflash.attention_backward(x, x, x, x, x, lse)),
-                           ("KV-cache decoding",
-                            lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))):
+        for what, call in _warmup_calls(name):
             start = time.perf_counter()
             call()
             print(f"{name:9s} {what:18s} ready in {time.perf_counter() - start:5.1f} s",
@@ -210,9 +224,10 @@ def _warmup(arguments):
 
 
 def _dtype_name(text):
-    if text != "all" and text not in WARMUP_DTYPES:
+    if text != "all" and text not in WARMUP_DTYPES + WARMUP_CACHE_FORMATS:
         raise argparse.ArgumentTypeError(
-            f"expected one of {', '.join(WARMUP_DTYPES)} or all, got {text!r}")
+            f"expected one of {', '.join(WARMUP_DTYPES + WARMUP_CACHE_FORMATS)} or all, got "
+            f"{text!r}")
     return text
 
 
@@ -264,13 +279,16 @@ def build_parser():
     warmup = commands.add_parser(
         "warmup", help="compile and cache the kernels ahead of the first call",
         description="Compile the attention, attention backward and KV-cache decoding kernels "
-                    "for the given dtypes (or load them from the cache) so that the first call "
+                    "for the given dtypes, and the decoding kernels of 8-bit KV caches "
+                    "(int8, float8_e4m3), or load them from the cache, so that the first call "
                     "of a later process does not wait for Numba, e.g. in a container build "
                     "step. Prints what it compiled and where the cache is.")
     warmup.add_argument("--dtype", nargs="+", type=_dtype_name, default=["float32"],
                         metavar="DTYPE",
-                        help=f"{', '.join(WARMUP_DTYPES)} or all (default: float32; bfloat16 "
-                             "needs ml_dtypes)")
+                        help=f"{', '.join(WARMUP_DTYPES)}; {', '.join(WARMUP_CACHE_FORMATS)} "
+                             "(the decoding kernel of an 8-bit KV cache, cpuflash.quantize_kv); "
+                             "or all (default: float32; bfloat16 and float8_e4m3 need "
+                             "ml_dtypes)")
     warmup.set_defaults(handler=_warmup)
     return parser
 

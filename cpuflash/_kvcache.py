@@ -8,7 +8,7 @@ batch entry ``b`` is row ``p % page_rows`` of page ``block_table[b, p // page_ro
 import numpy as np
 
 from ._quantize import quantize_rows
-from ._validate import kernel_view
+from ._validate import bits_view, kernel_view
 
 
 def slots(call, b, positions):
@@ -18,13 +18,20 @@ def slots(call, b, positions):
 
 def write_new_keys(call):
     """Write the new keys and values into the caches, in place, after positions `seqlens`
-(quantized first, for a quantized cache).
+    (quantized first, for a quantized cache); then set `call.k`, `call.v` to the caches as the
+    kernels read them.
 
     Called once `_validate.kvcache_args` has checked every argument, so an error leaves the
     caches unchanged.
     """
-    if call.new_k is None:
-        return
+    if call.new_k is not None:
+        _write(call)
+    # only now: the kernel's view of an unaligned cache is a copy, which must hold the new keys
+    view = kernel_view if call.quantized is None else bits_view
+    call.k, call.v = view(call.k_cache), view(call.v_cache)
+
+
+def _write(call):
     new_k, new_v = call.new_k, call.new_v
     if call.quantized is not None:  # written as the cache holds them: 8-bit rows and scales
         (new_k, k_scale), (new_v, v_scale) = (quantize_rows(x, call.quantized)

@@ -570,7 +570,8 @@ def int_array(name, x):
 def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window, softcap,
                  alibi_slopes, sinks, block_table, layout, num_splits, return_lse):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
-    checked, then written by `_kvcache.write_new_keys` once every check has passed."""
+    checked, then written by `_kvcache.write_new_keys` once every check has passed, which also
+    sets the call's `k` and `v` (the kernel's view of the caches)."""
     q = as_array("q", q)
     quantized = quantized_pair(k_cache, v_cache)
     if quantized is None:
@@ -680,13 +681,13 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         k_cache=kc4, v_cache=vc4, new_k=k4, new_v=v4, block_table=np.ascontiguousarray(table),
         page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,
         num_splits=int(num_splits))
+    # `k`, `v`: the caches as given; `_kvcache.write_new_keys` hands the kernel its view of them
+    # once the new keys are in (the view of an unaligned cache is a copy)
     if quantized is None:
-        return AttentionCall(q=kernel_view(q4), k=kernel_view(kc4), v=kernel_view(vc4),
-                             **fields)
+        return AttentionCall(q=kernel_view(q4), k=kc4, v=vc4, **fields)
     # the kernel reads the 8-bit rows in place, widening them itself, and float32 queries (a
     # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
-    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=bits_view(kc4),
-                         v=bits_view(vc4), **fields)
+    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=kc4, v=vc4, **fields)
     call.half_kind = QUANT_KINDS[quantized]
     call.quantized = quantized
     call.k_scale, call.v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x

@@ -270,3 +270,64 @@ def test_an_entry_does_not_depend_on_its_neighbours_or_the_thread_count(
     # entry 0: the KV head after the one with the inf value row (its item follows that one's)
     check_kvcache(out[:1, 4:], lse[:1, 4:], q[:1, 4:], k_cache[:1, 1:], v_cache[:1, 1:],
                   seqlens[:1], alibi_slopes=slopes[4:], **rule)
+
+
+def unaligned(x):
+    """A copy of `x` in memory one byte off its dtype's alignment."""
+    raw = np.zeros(x.nbytes + 1, dtype=np.uint8)
+    y = raw[1:].view(x.dtype).reshape(x.shape)
+    y[...] = x
+    assert not y.flags.aligned
+    return y
+
+
+def strided(x):
+    """A copy of `x` read through strides: every other row of a larger array."""
+    y = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)[:, :, ::2]
+    y[...] = x
+    return y
+
+
+@pytest.mark.parametrize("memory", [unaligned, strided])
+@pytest.mark.parametrize("which", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["unpaged", "paged"])
+@pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
+def test_new_keys_land_in_a_cache_the_kernel_cannot_read_as_given(rng, memory, which, paged,
+                                                                  n_q):
+    """An unaligned cache is copied for the kernel: the new keys must be in that copy (taken
+    after they are written) and in the caller's cache, which stays the one written."""
+    dtype = np.dtype(which) if which == "float32" else low_precision_dtype(which)
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, dtype=dtype, n_max=320, n_q=n_q,
+                                                    n_new=n_q, seqlens=[5, 200, 280 - n_q])
+    table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)  # shuffled pages of 16
+    caches = [memory(to_pages(c, 16, table) if paged else c) for c in (k_cache, v_cache)]
+    for _ in range(2):  # the second call with the same shapes may take the plan of the first
+        written = [c.copy() for c in caches]
+        out, lse = cpuflash.attention_with_kvcache(q, *caches, k=k, v=v, cache_seqlens=seqlens,
+                                                   block_table=table if paged else None,
+                                                   return_lse=True)
+        for b in range(3):
+            for i in range(n_q):
+                pos = seqlens[b] + i
+                at = (table[b, pos // 16], slice(None), pos % 16) if paged else \
+                    (b, slice(None), pos)
+                np.testing.assert_array_equal(caches[0][at], k[b, :, i])
+                np.testing.assert_array_equal(caches[1][at], v[b, :, i])
+                written[0][at], written[1][at] = k[b, :, i], v[b, :, i]
+        np.testing.assert_array_equal(caches[0], written[0])  # nothing else changed
+        np.testing.assert_array_equal(caches[1], written[1])
+        dense = [with_new_keys(c, new, seqlens) for c, new in ((k_cache, k), (v_cache, v))]
+        check_kvcache(out, lse, q, *dense, seqlens + n_q, causal=True,
+                      plain_dtype=None if which == "float32" else dtype)
+        k, v = (rng.standard_normal(x.shape).astype(dtype) for x in (k, v))  # the next step's
+
+
+@pytest.mark.parametrize("memory", [unaligned, strided])
+def test_read_only_cache_without_new_keys(rng, memory):
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, n_max=320)
+    caches = [memory(c) for c in (k_cache, v_cache)]
+    for c in caches:
+        c.flags.writeable = False
+    out, lse = cpuflash.attention_with_kvcache(q, *caches, cache_seqlens=seqlens,
+                                               return_lse=True)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True)

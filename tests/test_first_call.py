@@ -96,9 +96,36 @@ SPLIT_DECODE = """
 
 @pytest.mark.slow
 def test_warmup_names_the_dtypes_it_knows(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int8"],
+    done = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int16"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "expected one of float32" in done.stderr, explain(done)
+    assert "int8, float8_e4m3 or all" in done.stderr, explain(done)
+
+
+@pytest.mark.slow
+def test_warmup_compiles_the_8_bit_cache_decoding_that_a_later_process_loads(tmp_path):
+    env = clean_env(NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    warmup = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int8"],
+                            env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                            timeout=600)
+    assert warmup.returncode == 0, explain(warmup)
+    assert "int8      KV-cache decoding" in warmup.stdout, explain(warmup)
+    assert notices(warmup.stderr) == [], explain(warmup)
+    later = run_python(INT8_DECODE, env=env, cwd=str(tmp_path), timeout=600)
+    assert later.returncode == 0 and "finite True" in later.stdout, explain(later)
+    assert later.stderr == "", explain(later)
+
+
+# float16 queries on an int8 cache with new keys: the kernel warmup compiled (one per format)
+INT8_DECODE = """
+    import numpy as np, cpuflash
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float16)
+    cache = [cpuflash.quantize_kv(rng.standard_normal((2, 2, 50, 16)), "int8") for _ in "kv"]
+    new = rng.standard_normal((2, 2, 1, 16)).astype(np.float16)
+    out = cpuflash.attention_with_kvcache(q, *cache, k=new, v=new, cache_seqlens=[10, 40])
+    print("finite", bool(np.isfinite(out).all()))
+"""
 
 
 WITHOUT_TBB = """

@@ -365,3 +365,41 @@ def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng, fmt, layout
     untouched = caches()
     for now, then in zip((*kc, *vc), (*untouched[0], *untouched[1])):
         assert np.array_equal(now.view(np.uint8), then.view(np.uint8))
+
+
+def unaligned(x):
+    """A copy of `x` in memory one byte off its dtype's alignment (8-bit data: as it is)."""
+    if x.dtype.itemsize == 1:
+        return x
+    raw = np.zeros(x.nbytes + 1, dtype=np.uint8)
+    y = raw[1:].view(x.dtype).reshape(x.shape)
+    y[...] = x
+    assert not y.flags.aligned
+    return y
+
+
+def strided(x):
+    """A copy of `x` read through strides: every other position of a longer cache."""
+    y = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)[:, :, ::2]
+    y[...] = x
+    return y
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("memory", [unaligned, strided])
+@pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
+def test_new_keys_land_in_caches_of_any_memory(rng, fmt, memory, n_q):
+    """Unaligned scales, strided data and scales: the new rows and scales are written into the
+    caller's arrays, and attended to (twice: the second call may take the first one's plan)."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
+                                                    seqlens=[5, 200, 280 - n_q])
+    kc, vc = (QuantizedKV(memory(c.data), memory(c.scale[..., None])[..., 0])
+              for c in (quantized(rng, fmt, k_cache.shape), quantized(rng, fmt, v_cache.shape)))
+    for _ in range(2):
+        expected = [written(c, new, seqlens, fmt) for c, new in ((kc, k), (vc, v))]
+        out, lse = cpuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
+                                                   return_lse=True)
+        for cache, want in zip((kc, vc), expected):
+            np.testing.assert_array_equal(dequantize_kv(cache), want)
+        check_kvcache(out, lse, q, *expected, seqlens + n_q, causal=True)
+        k, v = (rng.standard_normal(x.shape).astype(np.float32) for x in (k, v))
