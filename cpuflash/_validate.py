@@ -265,9 +265,9 @@ def sinks_value(sinks, n_heads, dtype):
 
 
 # `user` of a call without functions of its own: (functions, score_args, mask_args, block mask
-# states, block mask's block_q, block_k), see `kernels._user.tile_state`
+# states, block mask's block_q, block_k, positions), see `kernels._user.tile_state`
 NO_USER_FUNCTIONS = (_user.NONE, _user.with_end(()), _user.with_end(()),
-                     np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1)
+                     np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1, False)
 _NO_USER_TYPE = numba.typeof(NO_USER_FUNCTIONS)
 
 

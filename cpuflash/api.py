@@ -177,7 +177,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                            causal=True, scale=None, window=None, softcap=0.0,
                            alibi_slopes=None, sinks=None, block_table=None, layout="bhsd",
-                           num_splits=0, return_lse=False):
+                           num_splits=0, return_lse=False, score_mod=None, score_args=(),
+                           mask_mod=None, mask_args=()):
     """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
 
     Parameters
@@ -207,6 +208,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         n ranges processed in parallel and merged exactly. Results for a given `num_splits` do
         not depend on the thread count.
     return_lse : bool
+    score_mod, score_args, mask_mod, mask_args
+        Your own functions, as `cpuflash.flex_attention` takes them, except that `q_idx` is a
+        query's position in its sequence (bottom-right aligned: the last query sits at the last
+        key) and `kv_idx` a key's, so that a mask written for training works unchanged when
+        decoding. Such calls run the FA-2 kernel (a paged cache is gathered first); a quantized
+        cache does not take them.
 
     Returns
     -------
@@ -222,7 +229,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     """
     key = None
     scales = _quantized_scales(k_cache, v_cache, cache_seqlens)
-    if (block_table is None and alibi_slopes is None and sinks is None
+    own = not (score_mod is None and mask_mod is None and _nothing(score_args)
+               and _nothing(mask_args))
+    if (block_table is None and alibi_slopes is None and sinks is None and not own
             and (k is None) == (v is None) and scales is not False):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
@@ -248,6 +257,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
         block_table=block_table, layout=layout, num_splits=num_splits, return_lse=return_lse)
+    if own:
+        from . import flex
+
+        if call.quantized is not None:
+            _validate._fail(NotImplementedError, "`score_mod`/`mask_mod` with a quantized KV "
+                                                 "cache are not supported yet")
+        flex._user_call(call, score_mod, score_args, mask_mod, mask_args, None, positions=True)
     _kvcache.write_new_keys(call)  # every check has passed
     if not (call.n_q and call.batch):
         call.out_kernel[...] = 0
@@ -256,7 +272,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     group = call.n_heads // call.n_kv_heads
     # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
     # the FA-2 kernel would need a float copy)
-    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
+    if (group * call.n_q <= tiling.DECODE_MAX_ROWS and not own) or call.quantized is not None:
         setup = _Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
@@ -269,6 +285,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         seqs[:, SEQ_N_K] = call.n_keys
         _run_forward(call, seqs)
     return call.result(return_lse)
+
+
+def _nothing(args):
+    return isinstance(args, (tuple, list)) and not args
 
 
 @_validate.public()

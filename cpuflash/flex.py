@@ -21,8 +21,10 @@ import numpy as np
 from numba import types
 from numba.core.registry import CPUDispatcher
 
-from . import _backward, _schedule, _validate, api
+from . import _backward, _schedule, _validate, api, tiling
 from .kernels import _user
+from .kernels._band import SEQ_N_K, SEQ_N_Q
+from .kernels.backward import score_arg_grads
 
 __all__ = ["BlockMask", "block_mask", "flex_attention", "flex_attention_backward"]
 
@@ -171,8 +173,16 @@ def _functions(score_mod, mask_mod, score_args, mask_args, compute):
     if registered == [None, None]:
         return _user.NONE
     key = "_".join(key_parts)
-    _user.REGISTRY.setdefault(key, tuple(registered))
+    _user.REGISTRY.setdefault(key, tuple(registered) + (None,))
     return _user.UserFunctions(key)
+
+
+def _grad_functions(fns, score_mod_grad):
+    """`_user.UserFunctions` of the call's functions and its `score_mod_grad`."""
+    digest, jitted = _user_function("score_mod_grad", score_mod_grad)
+    key = f"{fns.key}_g{digest[:20]}"
+    _user.REGISTRY.setdefault(key, _user.REGISTRY[fns.key][:2] + (jitted,))
+    return _user.UserFunctions(key), jitted
 
 
 # -- block masks ----------------------------------------------------------------------------
@@ -257,9 +267,10 @@ def _block_states(mask_mod, args, states, n_q, n_k, block_q, block_k):
 
 # -- attention ------------------------------------------------------------------------------
 
-def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask):
+def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask, positions=False):
     """Put the user's functions into the validated `call` (its `user`), checking them and the
-    block mask against it."""
+    block mask against it. `positions`: the functions see a query's position in its sequence
+    (a KV cache's queries), not its row in the call."""
     score_args = _args_value("score_args", score_args)
     states = _validate.NO_USER_FUNCTIONS[3]
     block = (1, 1)
@@ -289,7 +300,7 @@ def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask):
     if fns is _user.NONE:
         return
     call.user = (fns, _user.with_end(score_args), _user.with_end(mask_args), states,
-                 block[0], block[1])
+                 block[0], block[1], positions)
 
 
 def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mask_args=(),
@@ -352,12 +363,18 @@ def flex_attention_backward(dout, q, k, v, out, lse, *, score_mod=None, score_ar
     automatic differentiation: `score_mod` runs on dual numbers, through ``+ - * / **``,
     comparisons, ``abs``, ``min``, ``max`` and ``math.exp, log, log1p, sqrt, tanh, sin, cos``).
 
-    Returns ``(dq, dk, dv)``, and ``dsinks`` with `sinks`, as `cpuflash.attention_backward`.
-    Gradients of `score_args` (`score_mod_grad`) are not supported yet: a NotImplementedError.
+    score_mod_grad : function, optional
+        ``score_mod_grad(dscore, score, b, h, q_idx, kv_idx, *score_args, *dscore_args)``:
+        for the gradients of the float arrays in `score_args`. `score` is the mod's input and
+        `dscore` the gradient of the loss by its output; it adds this score's share into
+        `dscore_args` (one zeroed array per float array of `score_args`, in the compute dtype:
+        float64 for float64 inputs, else float32). Its return value is not used (the gradient
+        by the score comes from the dual numbers).
+
+    Returns ``(dq, dk, dv)``, then ``dsinks`` with `sinks`, then with `score_mod_grad` the
+    tuple ``dscore_args``. Each is bitwise the same for any thread count: the shares of
+    `dscore_args` are summed per fixed run of query tiles, and the runs in order.
     """
-    if score_mod_grad is not None:
-        _fail(NotImplementedError, "`score_mod_grad` (gradients of `score_args`) is not "
-                                   "supported yet; the gradients of q, k and v need none")
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     call = _validate.attention_args(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -368,11 +385,59 @@ def flex_attention_backward(dout, q, k, v, out, lse, *, score_mod=None, score_ar
         _check_differentiable(score_mod, call)
     grads = _backward.gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    wanted = None
+    if score_mod_grad is not None:  # (checked before anything is written)
+        wanted = _score_grad_setup(call, score_mod, score_mod_grad)
     delta = _backward._run_backward(call, grads, seqs)
     result = grads.result()
     if call.sinks.size:
         result += (_backward._sink_gradient(call.sinks, grads.lse, delta),)
+    if wanted is not None:
+        result += (_score_arg_gradients(call, grads, seqs, delta, *wanted),)
     return result
+
+
+# how many parts the gradients of `score_args` are summed in (each run by one thread at a
+# time): fixed, so that the bits do not depend on the thread count
+GRAD_SLOTS = 32
+
+
+def _score_grad_setup(call, score_mod, score_mod_grad):
+    """(grad functions, the float arrays of score_args): checked and compiled."""
+    if score_mod is None:
+        _fail(ValueError, "`score_mod_grad` given without a `score_mod`")
+    float_args = [x for x in call.user[1][:-1] if isinstance(x, np.ndarray)
+                  and x.dtype.kind == "f"]
+    if not float_args:
+        _fail(ValueError, "`score_mod_grad` given, but `score_args` holds no float array to "
+                          "differentiate")
+    grad_fns, jitted = _grad_functions(call.user[0], score_mod_grad)
+    score_type = numba.from_dtype(call.compute_dtype)
+    grad_types = [numba.typeof(np.zeros((0,) * x.ndim, dtype=call.compute_dtype))
+                  for x in float_args]
+    arg_types = ((score_type, score_type) + (types.int64,) * 4
+                 + tuple(numba.typeof(x) for x in call.user[1][:-1]) + tuple(grad_types))
+    _check_compiles("score_mod_grad", score_mod_grad, jitted, arg_types, None)
+    return grad_fns, float_args
+
+
+def _score_arg_gradients(call, grads, seqs, delta, grad_fns, float_args):
+    """The tuple of gradients of the float arrays of score_args (`_score_arg_grads`)."""
+    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
+    tiles = tiling.backward_tiles(longest_q, longest_k)
+    items, _ = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
+                                    tiles.block_k)
+    n_slots = max(1, min(GRAD_SLOTS, len(items)))
+    slot_ptr = np.linspace(0, len(items), n_slots + 1).round().astype(np.int64)
+    parts = tuple(np.zeros((n_slots,) + x.shape, dtype=call.compute_dtype) for x in float_args)
+    if len(items):
+        kernel = score_arg_grads.specialize(
+            (call.q.dtype, call.compute_dtype, numba.typeof(call.user), numba.typeof(grad_fns),
+             numba.typeof(parts)))
+        kernel(call.q, call.k, call.v, _validate.kernel_view(grads.dout), grads.lse, delta,
+               seqs, items, slot_ptr, tiles.block_q, tiles.block_k, call.half_kind,
+               call.modifiers(), grad_fns, parts)
+    return tuple(part.sum(axis=0) for part in parts)
 
 
 def _check_differentiable(score_mod, call):

@@ -297,3 +297,119 @@ def test_a_mod_that_cannot_be_differentiated(rng, case):
     out, lse = cpuflash.flex_attention(q, k, v, score_mod=rounds, return_lse=True)
     with pytest.raises(TypeError, match="score_mod.*rounds.*cannot be differentiated"):
         cpuflash.flex_attention_backward(out, q, k, v, out, lse, score_mod=rounds)
+
+
+# -- gradients of score_args ----------------------------------------------------------------
+
+def rel_bias_grad(dscore, score, b, h, q_idx, kv_idx, table, dtable):
+    dtable[h, q_idx - kv_idx + N_REL] += dscore
+    return dscore
+
+
+def dense_table_gradient(dout, q, k, v, table, **kwargs):
+    """dtable from the dense float64 attention: dS = P (dO V^T - rowsum(dO O)) summed along
+    each distance."""
+    b, hq, n_q, _ = q.shape
+    n_k = k.shape[2]
+    wide = [x.astype(np.float64) for x in (dout, q, k, v)]
+    bias = dense_bias(table.astype(np.float64), n_q, n_k)
+    out, lse = cpuflash.attention(*wide[1:], bias=bias, return_lse=True, **kwargs)
+    group = hq // k.shape[1]
+    kk, vv = (np.repeat(x, group, axis=1) for x in wide[2:])
+    s = np.einsum("bhqd,bhkd->bhqk", wide[1], kk) / math.sqrt(q.shape[-1]) + bias
+    if kwargs.get("causal"):
+        s = np.where(np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + n_k - n_q, s, -np.inf)
+    p = np.exp(s - lse[..., None])
+    ds = p * (np.einsum("bhqd,bhkd->bhqk", wide[0], vv)
+              - np.sum(wide[0] * out, axis=-1, keepdims=True))
+    dtable = np.zeros(table.shape)
+    distance = np.arange(n_q)[:, None] - np.arange(n_k)[None, :] + N_REL
+    for h in range(hq):
+        np.add.at(dtable[h], distance, ds[:, h].sum(axis=0))
+    return dtable
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_of_a_learned_table(rng, case, causal):
+    q, k, v, table, _ = case
+    kwargs = dict(score_mod=rel_bias, score_args=(table,), causal=causal)
+    out, lse = cpuflash.flex_attention(q, k, v, return_lse=True, **kwargs)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    *grads, (dtable,) = cpuflash.flex_attention_backward(dout, q, k, v, out, lse,
+                                                         score_mod_grad=rel_bias_grad, **kwargs)
+    assert len(grads) == 3 and dtable.dtype == np.float32 and dtable.shape == table.shape
+    expected = dense_table_gradient(dout, q, k, v, table, causal=causal)
+    # float32 tiles summed into float32: a few roundings of each entry's sum of |dS|
+    assert np.abs(dtable - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        *_, (again,) = cpuflash.flex_attention_backward(dout, q, k, v, out, lse,
+                                                        score_mod_grad=rel_bias_grad, **kwargs)
+    finally:
+        numba.set_num_threads(before)
+    assert_same_bits(again, dtable)
+
+
+def test_score_mod_grad_needs_a_float_array(case):
+    q, k, v, table, _ = case
+    out, lse = cpuflash.flex_attention(q, k, v, score_mod=tanh_cap, return_lse=True)
+    with pytest.raises(ValueError, match="score_args.*no float array"):
+        cpuflash.flex_attention_backward(out, q, k, v, out, lse, score_mod=tanh_cap,
+                                         score_mod_grad=rel_bias_grad)
+
+
+# -- decoding -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_new,paged", [(1, False), (5, False), (1, True)])
+def test_kv_cache_calls_see_positions(rng, n_new, paged):
+    """With a KV cache, q_idx is the query's position in its sequence: the mods of training
+    work unchanged when decoding."""
+    b, hq, hk, n_max, d = 2, 4, 2, 200, 32
+    k_cache, v_cache = (rng.standard_normal((b, hk, n_max, d)).astype(np.float32)
+                        for _ in range(2))
+    q = rng.standard_normal((b, hq, n_new, d)).astype(np.float32)
+    new_k, new_v = (rng.standard_normal((b, hk, n_new, d)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([150, 37])
+    table = (rng.standard_normal((hq, 2 * N_REL)) * 0.5).astype(np.float32)
+    doc = documents(rng, b, n_max)
+    kwargs = dict(score_mod=rel_bias, score_args=(table,), mask_mod=same_doc, mask_args=(doc,))
+    caches = (k_cache.copy(), v_cache.copy())
+    if paged:  # pages of 16 rows, in reverse order
+        pages = n_max // 16
+        table_ = np.arange(b * pages)[::-1].reshape(b, pages)
+        paged_caches = [np.empty((b * pages, hk, 16, d), np.float32) for _ in range(2)]
+        for cache, dense in zip(paged_caches, caches):
+            for e in range(b):
+                for p in range(pages):
+                    cache[table_[e, p]] = dense[e, :, p * 16:(p + 1) * 16]
+        out = cpuflash.attention_with_kvcache(q, *paged_caches, k=new_k, v=new_v,
+                                              cache_seqlens=seqlens, block_table=table_, **kwargs)
+    else:
+        out = cpuflash.attention_with_kvcache(q, *caches, k=new_k, v=new_v,
+                                              cache_seqlens=seqlens, **kwargs)
+    for e in range(b):
+        n_k = seqlens[e] + n_new
+        keys = np.concatenate([k_cache[e:e + 1, :, :seqlens[e]], new_k[e:e + 1]], axis=2)
+        values = np.concatenate([v_cache[e:e + 1, :, :seqlens[e]], new_v[e:e + 1]], axis=2)
+        positions = np.arange(n_k - n_new, n_k)
+        qi, ki = positions[:, None], np.arange(n_k)[None, :]
+        bias = table[:, qi - ki + N_REL][None]
+        mask = (doc[e, qi] == doc[e, ki])[None, None]
+        assert_close_to_reference(out[e:e + 1], q[e:e + 1], keys, values, bias=bias, mask=mask,
+                                  causal=True)
+
+
+def test_branches_that_return_different_types(rng):
+    """float32 scores minus a Python float are float64: a branch returning the score itself
+    meets the other in float64, for floats in the forward and for duals in the backward."""
+    def below_diagonal_minus_one(score, b, h, q_idx, kv_idx):
+        if q_idx < kv_idx:
+            return score - 1.0
+        return score
+
+    q, k, v = random_qkv(rng, (1, 2, 50, 16), (1, 2, 50, 16))
+    bias = np.where(np.arange(50)[:, None] < np.arange(50)[None, :], -1.0, 0.0)
+    bias = bias.astype(np.float32)[None, None]
+    dout, got = flex_gradients(rng, q, k, v, score_mod=below_diagonal_minus_one)
+    assert_gradients_like_builtin(got, dout, q, k, v, bias=bias)

@@ -781,7 +781,7 @@ def modifiers_type(compute, user):
 
 
 @jit
-def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
+def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre):
     """The score pipeline of one tile: ``scores = S`` of the queries of `q_tile` against the
     key panels, every modifier in its place, -inf where a key is hidden.
 
@@ -793,12 +793,14 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
     `chain` receives the derivative of the final score by ``scale * q . k`` where it is not 1
     (with a softcap or a user's score_mod), so a gradient step needs no knowledge of the
     modifiers: a modifier with a gradient records its factor here, one place. The forward
-    passes an empty `chain`.
+    passes an empty `chain`. `pre`, unless empty, receives the scores a user's score_mod
+    takes (for the gradients of its arguments).
     """
     seq, h, q0, kb, diag0, b, state = at
     inside, lo_off, hi_off, left, right = band
     qk_scale, softcap, _, _, alibi, bias, bias_map, mask, mask_map, _, user = mods
-    fns, score_args, mask_args, _, _, _ = user
+    fns, score_args, mask_args, _, _, _, _ = user
+    uq0 = _user.query_index(user, q0, diag0)
     # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
     s_mult = qk_scale / softcap if softcap > 0 else qk_scale
     any_qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
@@ -813,7 +815,9 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
         alibi_tile(scores, rows, cols, alibi[seq, h], diag0 - kb, lo_off, hi_off)
     if bias.shape[0] > 0:
         add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
-    _user.score_mod_tile(fns, scores, chain, rows, cols, (lo_off, hi_off), (b, h, q0, kb),
+    if pre.shape[0] > 0:
+        pre[:rows, :] = scores[:rows, :]
+    _user.score_mod_tile(fns, scores, chain, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
                          score_args)
     # -- visibility
     if not inside:
@@ -821,7 +825,7 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods):
     if mask.shape[0] > 0:
         bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
     if state == _user.PARTIAL:
-        _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, q0, kb),
+        _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
                             mask_args)
 
 
@@ -837,11 +841,12 @@ def key_visible(mods, at, r, c):
     """Whether the bool mask and the user's `mask_mod` let row r of a tile see its column c
     (``at`` as `score_tile` takes it; the band is checked by the caller)."""
     mask, mask_map, user = mods[7], mods[8], mods[10]
-    seq, h, q0, kb, _, b, state = at
+    seq, h, q0, kb, diag0, b, state = at
     if mask.shape[0] > 0 and not mask[mask_map[seq], h, q0 + r, kb + c]:
         return False
     if state == _user.PARTIAL:
-        return _user.mask_mod_sees(user[0], b, h, q0 + r, kb + c, user[2])
+        return _user.mask_mod_sees(user[0], b, h, _user.query_index(user, q0, diag0) + r,
+                                   kb + c, user[2])
     return True
 
 

@@ -21,16 +21,18 @@ import operator
 import numpy as np
 from numba import types
 from numba.core import cgutils
-from numba.extending import NativeValue, intrinsic, make_attribute_wrapper, models, overload, \
-    register_model, typeof_impl, unbox
+from numba.extending import NativeValue, intrinsic, lower_cast, make_attribute_wrapper, models, \
+    overload, register_model, typeof_impl, unbox
 
 from .._jit import HELPER_OPTIONS, jit
 
 # what a tile of a block mask is (`cpuflash.flex.BlockMask`): no key visible, some, every one
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
-# key -> (score_mod, mask_mod): the jitted functions of the calls compiled in this process
-REGISTRY = {"": (None, None)}
+# key -> (score_mod, mask_mod, score_mod_grad): the jitted functions of the calls compiled in
+# this process. The forward and the backward of q, k, v are keyed by the first two (a
+# score_mod_grad does not change them); the pass of `score_args`' gradients by all three.
+REGISTRY = {"": (None, None, None)}
 
 
 class UserFunctions:
@@ -75,6 +77,15 @@ ARGS_END = np.zeros(0, dtype=np.int8)
 def with_end(args):
     """`args` as a kernel's `user` holds them (see `ARGS_END`)."""
     return tuple(args) + (ARGS_END,)
+
+
+@jit
+def query_index(user, q0, diag0):
+    """The `q_idx` the user's functions see for a tile's first row: its row in the call (`q0`),
+    or with ``positions`` (a KV cache's queries) its position in the sequence (`diag0`, the key
+    under its diagonal: bottom-right aligned)."""
+    return diag0 if user[6] else q0
+
 
 
 def _functions(fns):
@@ -159,6 +170,40 @@ def dual_error(score_mod, dtype, arg_types):
     return None
 
 
+def score_grad_tile(fns, ds, pre, rows, cols, spans, where, args, grads):
+    """For each score of the tile that has a gradient (``ds``, the gradient of the loss by the
+    score after the mod: 0 where a key is hidden), ``score_mod_grad(ds, pre, b, h, q_idx,
+    kv_idx, *args, *grads)``, which adds into `grads` (`pre`: the mod's input)."""
+
+
+@overload(score_grad_tile, jit_options=HELPER_OPTIONS)
+def _score_grad_tile(fns, ds, pre, rows, cols, spans, where, args, grads):
+    score_mod_grad = _functions(fns)[2]
+
+    def apply(fns, ds, pre, rows, cols, spans, where, args, grads):
+        b, h, q0, kb = where
+        lo_off, hi_off = spans
+        for r in range(rows):
+            for c in range(max(0, r + lo_off), min(cols, r + hi_off + 1)):
+                if ds[r, c] != 0:
+                    score_mod_grad(ds[r, c], pre[r, c], b, h, q0 + r, kb + c, *args[:-1],
+                                   *grads)
+    return apply
+
+
+def slot_views(arrays, slot):
+    """``tuple(x[slot] for x in arrays)``: one slot's part of each array (a tuple of arrays of
+    any types)."""
+
+
+@overload(slot_views, jit_options=dict(HELPER_OPTIONS, cache=False))  # (source made here)
+def _slot_views(arrays, slot):
+    names = ", ".join(f"arrays[{i}][slot]" for i in range(len(arrays)))
+    namespace = {}
+    exec(f"def views(arrays, slot):\n    return ({names},)", namespace)
+    return namespace["views"]
+
+
 def mask_mod_tile(fns, scores, rows, cols, spans, where, args):
     """-inf where ``mask_mod(b, h, q_idx, kv_idx, *args)`` is False, over each row's span."""
 
@@ -197,11 +242,11 @@ def _mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
 @jit
 def tile_state(user, b, h, q0, rows, kb, cols):
     """EMPTY, PARTIAL or FULL: what the block mask of ``user = (fns, score_args, mask_args,
-    states, block_q, block_k)`` says of the tile of rows q0 .. q0 + rows - 1 and keys kb ..
+    states, block_q, block_k, positions)`` says of the tile of rows q0 .. q0 + rows - 1 and keys kb ..
     kb + cols - 1 (the kernel's tiles need not be the block mask's: a tile is EMPTY when every
     block it meets is, FULL when every one is). Without a block mask: PARTIAL with a `mask_mod`
     (it is called for every pair), FULL without."""
-    fns, _, _, states, block_q, block_k = user
+    fns, _, _, states, block_q, block_k, _ = user
     if not has_mask_mod(fns):
         return FULL
     if states.shape[0] == 0:
@@ -225,6 +270,35 @@ class DualType(types.Type):
     def __init__(self, dtype):
         self.dtype = dtype
         super().__init__(name=f"Dual({dtype})")
+
+    def unify(self, typingctx, other):
+        """Branches that return duals of two float types, or a dual and a number, meet in the
+        wider type, as the floats of the forward do (a number becomes a dual of slope 0)."""
+        if isinstance(other, DualType):
+            other = other.dtype
+        if isinstance(other, (types.Number, types.Boolean)):
+            dtype = typingctx.unify_pairs(self.dtype, other)
+            if isinstance(dtype, types.Float):
+                return DualType(dtype)
+        return None
+
+
+@lower_cast(DualType, DualType)
+def _dual_to_dual(context, builder, fromty, toty, val):
+    source = cgutils.create_struct_proxy(fromty)(context, builder, value=val)
+    result = cgutils.create_struct_proxy(toty)(context, builder)
+    result.value = context.cast(builder, source.value, fromty.dtype, toty.dtype)
+    result.slope = context.cast(builder, source.slope, fromty.dtype, toty.dtype)
+    return result._getvalue()
+
+
+@lower_cast(types.Number, DualType)
+@lower_cast(types.Boolean, DualType)
+def _number_to_dual(context, builder, fromty, toty, val):
+    result = cgutils.create_struct_proxy(toty)(context, builder)
+    result.value = context.cast(builder, val, fromty, toty.dtype)
+    result.slope = context.get_constant(toty.dtype, 0.0)
+    return result._getvalue()
 
 
 @register_model(DualType)

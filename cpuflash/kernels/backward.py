@@ -65,8 +65,9 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
     # together again in the loops, as `mods`)
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k = user
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
     has_chain = softcap > 0 or _user.has_score_mod(fns)
+    no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
 
     # ---- delta = rowsum(dO * O) of every query row, which both passes read
     for chunk in prange(q_chunks.shape[0] - 1):
@@ -80,7 +81,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # `fused`, an item is every key block of a (sequence, kv head) in turn, and dQ of the
     # group's rows is summed here too, in `dq_acc` (the query pass then has nothing to do)
     for chunk in prange(k_chunks.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k)
+        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
         # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
@@ -159,7 +160,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                                          scores, dp, chain, rows, cols, at, band, mods)
                         else:
                             _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at,
-                                              band, mods)
+                                              band, mods, no_pre)
                             _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off,
                                            hi_off)
 
@@ -211,7 +212,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # ---- the query pass: dQ of one query tile, summed over the key blocks it sees (in the
     # key pass's order: the sums, and so the bits, are those of the fused key pass)
     for chunk in prange(0 if fused else q_chunks.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k)
+        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
         q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
@@ -265,7 +266,7 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                                  chain, rows, cols, at, band, mods)
                 else:
                     _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band,
-                                      mods)
+                                      mods, no_pre)
                     _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
 
                 # -- P and dS
@@ -280,6 +281,62 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                           at, pairs, ds_pairs, k_row_pairs)
 
             _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+
+
+def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, block_k,
+                     half_kind, modifiers, grad_fns, grads):
+    """The gradients of the float arrays among a score_mod's arguments, by the user's
+    ``score_mod_grad`` (`_user.score_grad_tile`), after the backward has found `delta`.
+
+    Each slot owns a fixed run of the query pass's work items (`slot_ptr`, the same for any
+    thread count) and adds into its own part of each gradient, ``grads[i][slot]``, summing its
+    tiles in order; the caller sums the slots in order, so the bits do not depend on the
+    threads. A tile's scores are rebuilt as in the backward: P from S and the lse, and
+    ``dS = P (dO V^T - delta)``, the gradient of the loss by the score after the mod.
+    """
+    d = q.shape[3]
+    d_v = v.shape[3]
+    group = q.shape[1] // k.shape[1]
+    cdtype = lse.dtype
+    # (taken apart and put together again in the loop, as in `_fa2_backward`)
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    for slot in prange(slot_ptr.shape[0] - 1):
+        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
+        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
+                user)
+        q_tile, do_tile, k_panels, v_panels, scores, dp, pre = _score_buffers(
+            block_q, block_k, d, d_v, lse)
+        no_chain = scores[:0]
+        lse_rows = np.empty(block_q, dtype=cdtype)
+        delta_rows = np.empty(block_q, dtype=cdtype)
+        slot_grads = _user.slot_views(grads, slot)
+        for item in range(slot_ptr[slot], slot_ptr[slot + 1]):
+            (seq, h, q0, batch_q, q_start, n_q,
+             batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
+            hk = h // group
+            rows = min(block_q, n_q - q0)
+            diag0 = q0 + n_k - n_q
+            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+            _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
+                             do_tile, lse_rows, delta_rows, half_kind)
+            for kb in range(k_lo, k_hi, block_k):
+                cols = min(block_k, k_hi - kb)
+                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
+                if state == _user.EMPTY:
+                    continue
+                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+                _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
+                _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+                at = (seq, h, q0, kb, diag0, batch_q, state)
+                _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at,
+                                  (inside, lo_off, hi_off, left, right), mods, pre)
+                _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                _steps.probs_and_grads(scores, dp, no_chain, lse_rows, delta_rows, rows, cols,
+                                       lo_off, hi_off, False)
+                _user.score_grad_tile(grad_fns, dp, pre, rows, cols, (lo_off, hi_off),
+                                      (batch_q, h, _user.query_index(user, q0, diag0), kb),
+                                      score_args, slot_grads)
 
 
 @jit
@@ -310,7 +367,8 @@ def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods
 def _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp, chain, rows, cols,
                  at, band, mods):
     """S (the score pipeline) and dP = dO V^T of a query tile as bfloat16 dot products."""
-    _steps.score_tile(q_pairs, k_panel_pairs, scores, chain, rows, cols, at, band, mods)
+    _steps.score_tile(q_pairs, k_panel_pairs, scores, chain, rows, cols, at, band, mods,
+                      scores[:0])
     _steps.any_qk_tile(do_pairs, v_panel_pairs, dp, rows, cols, 1.0, band[1], band[2])
 
 
@@ -389,3 +447,17 @@ def _signature(key):
 
 
 fa2_backward = Kernel(_fa2_backward, _signature, "attention backward")
+
+
+def _grads_signature(key):
+    dtype, compute, user, grad_fns, grads = key
+    data = array(dtype, 4, readonly=True)
+    per_row = array(compute, 3, readonly=True)
+    index2 = array(np.int64, 2, readonly=True)
+    index1 = array(np.int64, 1, readonly=True)
+    i8 = types.int64
+    return types.void(data, data, data, data, per_row, per_row, index2, index2, index1, i8, i8,
+                      i8, _steps.modifiers_type(compute, user), grad_fns, grads)
+
+
+score_arg_grads = Kernel(_score_arg_grads, _grads_signature, "score_mod gradients")

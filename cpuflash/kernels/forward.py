@@ -34,12 +34,12 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
     # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
     # together again in the loop, as `mods`)
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k = user
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
     has_sinks = sinks.shape[0] > 0
     no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k)
+        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
         # -- thread-local tile state, allocated once per chunk of work items
@@ -108,10 +108,10 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 band = (inside, lo_off, hi_off, left, right)
                 if pairs:
                     _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
-                                      mods)
+                                      mods, no_chain)
                 else:
                     _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
-                                      mods)
+                                      mods, no_chain)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
                 _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
