@@ -449,7 +449,9 @@ def _check_flex_shapes(query, key, value, enable_gqa):
                          f"divide those of `query` ({heads_q}), got {shapes}")
 
 
-@torch.compiler.disable
+# the user's functions run in Numba kernels that dynamo cannot trace: a graph break, named
+@torch.compiler.disable(reason="cpuflash.torch.flex_attention runs the user's functions as "
+                               "Numba code, outside the graph")
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
                    enable_gqa=False, return_lse=False, *, score_args=(), mask_mod=None,
                    mask_args=(), score_mod_grad=None):
@@ -499,8 +501,9 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     -----
     Differentiable in query, key and value (the derivative of `score_mod` by its score is found
     by cpuflash). Under `torch.compile` the call is a graph break (`torch.compiler.disable`):
-    the code around it compiles and it runs as here, forward and backward; with
-    ``fullgraph=True`` compiling fails. A function is compiled once per function and dtype,
+    the code around it compiles (any backend, inductor included) and it runs as here,
+    forward and backward; with ``fullgraph=True`` compiling fails (dynamo's Unsupported, naming
+    this function). A function is compiled once per function and dtype,
     forward and backward each (seconds), and the kernels are cached on disk.
     """
     _check_cpu(query=query, key=key, value=value)
