@@ -10,7 +10,6 @@ few module-level functions.
 
 import warnings
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: cpuflash.torch needs it")
