@@ -13,6 +13,9 @@ results are written straight into tensors torch allocated: nothing is copied on 
 
 `attention` takes the keywords of `cpuflash.attention`; `scaled_dot_product_attention` is a
 drop-in for ``torch.nn.functional.scaled_dot_product_attention`` with torch's own semantics.
+`flex_attention` and `create_block_mask` take the arguments of torch's FlexAttention functions;
+they carry Python functions, which no operator schema can, so their gradients go through a
+`torch.autograd.Function` instead of an operator.
 """
 
 import math
@@ -20,14 +23,14 @@ from typing import Optional
 
 import numpy as np
 
-from . import _extras, api
+from . import _extras, api, flex
 
 try:
     import torch
 except ImportError as exc:
     raise _extras.missing("cpuflash.torch", "torch", "torch") from exc
 
-__all__ = ["attention", "scaled_dot_product_attention"]
+__all__ = ["attention", "scaled_dot_product_attention", "flex_attention", "create_block_mask"]
 
 Tensor = torch.Tensor
 
@@ -323,3 +326,201 @@ def _broadcast_heads(query, key, value, enable_gqa):
     return (query.expand(*lead, heads_q, *query.shape[-2:]),
             key.expand(*lead, heads_kv, *key.shape[-2:]),
             value.expand(*lead, heads_kv, *value.shape[-2:]))
+
+
+# -- FlexAttention: torch's signatures, the user's functions compiled by cpuflash.flex
+
+def _args_as_numpy(name, args):
+    """`args` with every tensor a numpy view of its memory (CPU tensors only)."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"`{name}` must be a tuple of tensors, arrays and numbers, got "
+                        f"{type(args).__name__}")
+    _check_cpu(**{f"{name}[{i}]": x for i, x in enumerate(args) if isinstance(x, torch.Tensor)})
+    return tuple(_as_numpy(x) if isinstance(x, torch.Tensor) else x for x in args)
+
+
+def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, args=(), device="cpu", BLOCK_SIZE=None):
+    """torch's ``create_block_mask`` for `flex_attention`: a cpuflash `BlockMask`.
+
+    Parameters
+    ----------
+    mask_mod : function
+        ``mask_mod(b, h, q_idx, kv_idx, *args) -> bool`` (True: the key takes part), compiled
+        by Numba: it runs on integers, not on tensors (see `flex_attention`).
+    B, H : int or None
+        Batch entries and query heads; None (or 1) means the mask is the same for all.
+    Q_LEN, KV_LEN : int
+    args : tuple of tensors, arrays and numbers
+        Passed to `mask_mod` after the indices; tensors are read through numpy views.
+    device : "cpu"
+        cpuflash runs on the CPU; any other device is a ValueError.
+    BLOCK_SIZE : int or (int, int), optional
+        The tiles (query rows, keys) whose state is recorded; default cpuflash's 64 (torch's
+        default is 128; the results do not depend on it).
+
+    Returns
+    -------
+    cpuflash.BlockMask
+        It carries `mask_mod` and `args`: ``flex_attention(..., block_mask=bm)`` applies them.
+    """
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"`device` must be 'cpu' (cpuflash runs on the CPU only), got {device!r}")
+    if isinstance(BLOCK_SIZE, torch.Tensor):
+        BLOCK_SIZE = int(BLOCK_SIZE)
+    return flex.block_mask(mask_mod, 1 if B is None else B, 1 if H is None else H, Q_LEN,
+                           KV_LEN, args=_args_as_numpy("args", args), block=BLOCK_SIZE)
+
+
+class _FlexCall:
+    """What one `flex_attention` call hands its backward besides tensors: the user's functions,
+    their arguments as numpy views, and which arguments are tensors that get gradients."""
+
+    def __init__(self, score_mod, score_args, mask_mod, mask_args, block_mask, scale,
+                 score_mod_grad):
+        self.keywords = dict(score_mod=score_mod, score_args=_args_as_numpy("score_args",
+                                                                            score_args),
+                             mask_mod=mask_mod, mask_args=_args_as_numpy("mask_args", mask_args),
+                             block_mask=block_mask, scale=scale)
+        self.score_mod_grad = score_mod_grad
+        # the positions of the tensors of score_args, the inputs the Function differentiates
+        self.tensor_slots = [i for i, x in enumerate(score_args) if isinstance(x, torch.Tensor)]
+        # dscore_args from cpuflash holds one array per float array of score_args, in order
+        self.float_slots = [i for i, x in enumerate(self.keywords["score_args"])
+                            if isinstance(x, np.ndarray) and x.dtype.kind == "f"]
+
+
+class _FlexFunction(torch.autograd.Function):
+    """out, lse = flex_attention(q, k, v); differentiable in q, k, v and in the float tensors of
+    score_args (those through `score_mod_grad`)."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v, *score_tensors):
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        _, lse = flex.flex_attention(_as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True,
+                                     out=_as_numpy(out), **call.keywords)
+        lse = torch.from_numpy(np.ascontiguousarray(lse))
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        call = ctx.call
+        q, k, v, out, lse, *score_tensors = ctx.saved_tensors
+        wanted = [call.tensor_slots[i] for i, need in enumerate(ctx.needs_input_grad[4:])
+                  if need]
+        keywords = dict(call.keywords)
+        if wanted and call.score_mod_grad is not None:
+            keywords["score_mod_grad"] = call.score_mod_grad
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        result = flex.flex_attention_backward(
+            _as_numpy(dout), _as_numpy(q), _as_numpy(k), _as_numpy(v), _as_numpy(out),
+            _as_numpy(lse), dq=_as_numpy(dq), dk=_as_numpy(dk), dv=_as_numpy(dv), **keywords)
+        grads = {}
+        if "score_mod_grad" in keywords:
+            for slot, g in zip(call.float_slots, result[-1]):
+                grads[slot] = torch.from_numpy(np.asarray(g))
+        score_grads = []
+        for slot, t in zip(call.tensor_slots, score_tensors):
+            g = grads.get(slot) if slot in wanted else None
+            score_grads.append(None if g is None else g.to(t.dtype).reshape(t.shape))
+        return (None, dq, dk, dv, *score_grads)
+
+
+def _check_flex_shapes(query, key, value, enable_gqa):
+    shapes = ", ".join(f"`{n}` {tuple(t.shape)}" for n, t in
+                       (("query", query), ("key", key), ("value", value)))
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"`query`, `key` and `value` must be 4-D (B, H, L, E), as in torch's "
+                         f"flex_attention, got {shapes}")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"`key` and `value` must agree in batch, heads and length, got {shapes}")
+    if query.shape[0] != key.shape[0]:
+        raise ValueError(f"`query` and `key` must have the same batch size, got {shapes}")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"`query` and `key` must have the same embedding size E, got {shapes}")
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if not enable_gqa and heads_q != heads_kv:
+        raise ValueError(f"`query` has {heads_q} heads and `key`/`value` {heads_kv}: different "
+                         f"head counts need enable_gqa=True (as in torch), got {shapes}")
+    if enable_gqa and heads_q % heads_kv:
+        raise ValueError(f"with enable_gqa=True the heads of `key`/`value` ({heads_kv}) must "
+                         f"divide those of `query` ({heads_q}), got {shapes}")
+
+
+# the user's functions run in Numba kernels that dynamo cannot trace: a graph break, named
+@torch.compiler.disable(reason="cpuflash.torch.flex_attention runs the user's functions as "
+                               "Numba code, outside the graph")
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=False, return_lse=False, *, score_args=(), mask_mod=None,
+                   mask_args=(), score_mod_grad=None):
+    """torch's ``flex_attention`` on CPU tensors, the user's functions compiled by Numba.
+
+    Parameters
+    ----------
+    query : (B, Hq, L, E) tensor
+    key : (B, Hkv, S, E) tensor
+    value : (B, Hkv, S, Ev) tensor
+        float32, float64, float16 or bfloat16 CPU tensors of one dtype.
+    score_mod : function, optional
+        ``score_mod(score, b, h, q_idx, kv_idx, *score_args) -> new score``, torch's signature
+        with `score_args` appended. It runs on scalars inside the kernels, not on tensors:
+        arithmetic, comparisons, ``if``, indexing arrays, `math`, ``abs``/``min``/``max``; no
+        ``torch.where`` or other torch calls (a TypeError naming the function). A tensor it
+        reads must come through `score_args` (a closure over a tensor does not compile).
+    block_mask : cpuflash BlockMask, optional
+        From `create_block_mask` (or `cpuflash.block_mask`); applies its `mask_mod`. torch's
+        own BlockMask is a TypeError.
+    scale : float, optional
+        Default ``1 / sqrt(E)``, applied before `score_mod` as in torch.
+    enable_gqa : bool
+        Needed when `key`/`value` have fewer heads than `query` (they must divide them); `h` in
+        the user's functions is the query head.
+    return_lse : bool
+        Also return the log-sum-exp of each row's scores, natural log as torch's, (B, Hq, L)
+        float32 (float64 for float64 inputs) as torch's; ``-inf`` for a row that sees no key
+        (its output is 0). It carries no gradient (torch's does on GPUs).
+    score_args : tuple of tensors, arrays and numbers
+        The extra arguments of `score_mod` (torch's closes over them instead).
+    mask_mod : function, optional
+        ``mask_mod(b, h, q_idx, kv_idx, *mask_args) -> bool`` applied without a block mask (to
+        every score: slower than through `block_mask`), or the block mask's own function.
+    mask_args : tuple of tensors, arrays and numbers
+    score_mod_grad : function, optional
+        ``score_mod_grad(dscore, score, b, h, q_idx, kv_idx, *score_args, *dscore_args)``,
+        adding into `dscore_args` (one per float array of `score_args`) the gradient of the
+        float tensors of `score_args` that require grad; without it those get no gradient.
+
+    Returns
+    -------
+    out : (B, Hq, L, Ev) tensor, the dtype of `query`
+    lse : (B, Hq, L) tensor, only with ``return_lse=True``
+
+    Notes
+    -----
+    Differentiable in query, key and value (the derivative of `score_mod` by its score is found
+    by cpuflash). Under `torch.compile` the call is a graph break (`torch.compiler.disable`):
+    the code around it compiles (any backend, inductor included) and it runs as here,
+    forward and backward; with ``fullgraph=True`` compiling fails (dynamo's Unsupported, naming
+    this function). A function is compiled once per function and dtype,
+    forward and backward each (seconds), and the kernels are cached on disk.
+    """
+    _check_cpu(query=query, key=key, value=value)
+    _check_flex_shapes(query, key, value, bool(enable_gqa))
+    if block_mask is not None and not isinstance(block_mask, flex.BlockMask):
+        raise TypeError(f"`block_mask` must be a cpuflash BlockMask (from "
+                        f"`cpuflash.torch.create_block_mask`), got {type(block_mask).__name__}")
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod),
+                     ("score_mod_grad", score_mod_grad)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"`{name}` must be a function, got {type(fn).__name__}")
+    if score_mod_grad is not None and score_mod is None:
+        raise ValueError("`score_mod_grad` given without a `score_mod`")
+    if scale is not None:
+        scale = float(scale)
+    call = _FlexCall(score_mod, score_args, mask_mod, mask_args, block_mask, scale,
+                     score_mod_grad)
+    score_tensors = [score_args[i] for i in call.tensor_slots]
+    out, lse = _FlexFunction.apply(call, query, key, value, *score_tensors)
+    return (out, lse) if return_lse else out
