@@ -154,8 +154,6 @@ def test_document_mask_with_gqa(gen):
     check_against_dense(q, k, v, out, None, mask, dout)
 
 
-@pytest.mark.xfail(raises=NotImplementedError, strict=False,
-                   reason="cpuflash.flex_attention_backward does not take score_mod_grad yet")
 def test_gradient_of_a_score_args_tensor(gen):
     b, h, n, d = 1, 2, 40, 16
     q, k, v = qkv(gen, b, h, h, n, n, d, torch.float32)
