@@ -355,7 +355,7 @@ def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, *, args=(), device="cpu", B
     device : "cpu"
         cpuflash runs on the CPU; any other device is a ValueError.
     BLOCK_SIZE : int or (int, int), optional
-        The tiles (query rows, keys) whose state is recorded; default cpuflash's 64 (torch's
+        The tiles (query rows, keys) whose state is recorded; default cpuflash's 96 (torch's
         default is 128; the results do not depend on it).
 
     Returns
