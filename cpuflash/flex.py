@@ -104,8 +104,9 @@ def _user_function(role, function):
         if known is None:
             options = _user_options()
             jitted = numba.njit(**options)(function)
-            digest = hashlib.sha256(f"{_digest(function)} {sorted(map(str, options.items()))}"
-                                    .encode())
+            described = sorted((name, sorted(value) if isinstance(value, set) else value)
+                               for name, value in options.items())  # (sets: in a fixed order)
+            digest = hashlib.sha256(f"{_digest(function)} {described}".encode())
             known = _compiled[(role, function)] = (digest.hexdigest(), jitted)
     return known
 

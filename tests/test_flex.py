@@ -15,7 +15,7 @@ import pytest
 import cpuflash
 
 from accuracy import assert_close_to_reference, assert_within_rule, tolerance
-from helpers import assert_same_bits, random_qkv
+from helpers import assert_same_bits, explain, random_qkv, run_python
 
 N_REL = 512  # the relative-position table covers distances -N_REL .. N_REL - 1
 
@@ -413,3 +413,25 @@ def test_branches_that_return_different_types(rng):
     bias = bias.astype(np.float32)[None, None]
     dout, got = flex_gradients(rng, q, k, v, score_mod=below_diagonal_minus_one)
     assert_gradients_like_builtin(got, dout, q, k, v, bias=bias)
+
+
+@pytest.mark.slow
+def test_a_new_process_loads_the_kernel_of_a_known_function(rng):
+    """The kernel with a user's function inlined is cached on disk under the function's
+    digest: the same function in a new interpreter loads it, compiling nothing."""
+    code = f"""
+        import sys
+        import numpy as np
+        import cpuflash
+
+        def shifted(score, b, h, q_idx, kv_idx):
+            return score + {rng.random()!r}  # a new function for every run of this test
+
+        q = np.ones((1, 1, 30, 8), np.float32)
+        cpuflash.flex_attention(q, q, q, score_mod=shifted)
+        print(cpuflash.flex_attention(q, q, q, score_mod=shifted).sum())
+    """
+    first, second = run_python(code), run_python(code)
+    assert first.returncode == 0 and "compiling" in first.stderr, explain(first)
+    assert second.returncode == 0 and second.stdout == first.stdout, explain(second)
+    assert "compiling" not in second.stderr, explain(second)
