@@ -926,6 +926,9 @@ def layout_hint(function, validate, args, kwargs):
     if arguments.get("layout") != "bhsd" or not four_d:
         return ""
 
+    taken = inspect.signature(validate).parameters  # (the user's functions are checked later)
+    arguments = {name: value for name, value in arguments.items() if name in taken}
+
     def passes(layout):
         try:
             validate(**dict(arguments, layout=layout))  # checks only: nothing is written

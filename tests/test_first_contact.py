@@ -190,7 +190,7 @@ def test_other_type_errors_are_unchanged(rng):
 def test_valid_calls_work_and_signatures_are_the_real_ones(rng):
     args = call_args(rng)
     for function in args:
-        assert "args" not in str(inspect.signature(function))
+        assert "*args" not in str(inspect.signature(function))  # not a wrapper's
         assert function.__doc__ and function.__wrapped__.__name__ == function.__name__
     assert str(inspect.signature(cpuflash.attention)).startswith("(q, k, v, *, causal=False, ")
     q, k, v = args[cpuflash.attention]
