@@ -816,7 +816,7 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
     if bias.shape[0] > 0:
         add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
     if pre.shape[0] > 0:
-        pre[:rows, :] = scores[:rows, :]
+        copy_rows(scores, pre, rows)
     _user.score_mod_tile(fns, scores, chain, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
                          score_args)
     # -- visibility
@@ -827,6 +827,15 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
     if state == _user.PARTIAL:
         _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
                             mask_args)
+
+
+@jit
+def copy_rows(src, dst, rows):
+    """dst[:rows] = src[:rows], vector by vector (two tiles of the same shape). A slice
+    assignment would compile Numba's shape-mismatch message, 5 s of string formatting."""
+    n = lanes(src)
+    for o in range(0, rows * src.shape[1], n):
+        vstore(dst, o, vload(src, o))
 
 
 @jit

@@ -147,8 +147,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
                         band = (inside, lo_off, hi_off, left, right)
                         _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
                                          q_tile, do_tile, lse_rows, delta_rows, half_kind)
-                        q_rows[:rows, :d] = q_tile[:rows]
-                        do_rows[:rows, :d_v] = do_tile[:rows]
+                        _copy_into(q_rows, q_tile, rows, d)
+                        _copy_into(do_rows, do_tile, rows, d_v)
 
                         # -- S: the forward's score pipeline; dP = dO V^T
                         at = (seq, h, q0, k0, diag0, batch_q, state)
@@ -337,6 +337,15 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
                 _user.score_grad_tile(grad_fns, dp, pre, rows, cols, (lo_off, hi_off),
                                       (batch_q, h, _user.query_index(user, q0, diag0), kb),
                                       score_args, slot_grads)
+
+
+@jit
+def _copy_into(dst, src, rows, cols):
+    """dst[:rows, :cols] = src[:rows, :cols], element by element: a slice assignment would
+    compile Numba's shape-mismatch message (seconds of string formatting) into the kernel."""
+    for r in range(rows):
+        for c in range(cols):
+            dst[r, c] = src[r, c]
 
 
 @jit
