@@ -39,10 +39,16 @@ from numba import prange, types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .._jit import STRICT_OPTIONS, Kernel, array, jit, jit_borrowing
+from .. import _jit
+from .._jit import STRICT_OPTIONS, Kernel, array, jit
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps
 from ._convert import load_widened, row_offset, vector_rows, widen
+
+
+def jit_borrowing(func, cache=_jit.CACHING):
+    """`_jit.jit_borrowing`, one specialization for any constants (`_jit.without_literals`)."""
+    return _jit.without_literals(_jit.jit_borrowing(func, cache=cache))
 
 # how many key rows ahead `_stream_dot4` and `_stream_dot2` prefetch (16 rows of 128 float32:
 # 8 KiB; 32 and 64 read 0.97x as fast, prefetches to L2 only 0.94x)
