@@ -258,18 +258,24 @@ def _scale_columns(scores, rows, cols, scale, block_table, b, h, start, page_siz
     probability times a NaN scale (that of a non-finite row) must not reach a row that cannot
     see it. Scores keep the product: a NaN scale makes the key's score NaN, as its dequantized
     row would (hidden keys are masked to -inf afterwards)."""
-    index, row = start // page_size, start % page_size  # (no division per key: it cost
-    page = block_table[b, index]                        # as much as the key's arithmetic)
-    for c in range(cols):
-        if row == page_size:
-            index, row = index + 1, 0
-            page = block_table[b, index]
-        factor = scale[page, h, row]
-        row += 1
+    # by runs of keys in one page, each row's run in a loop counted from 0 (vectorized: a
+    # key at a time, with a branch per score, this took a third of an int8 decoding call)
+    index, row, c = start // page_size, start % page_size, 0
+    while c < cols:
+        page = block_table[b, index]
+        run = min(cols - c, page_size - row)
+        factors = scale[page, h, row:row + run]
         for r in range(rows):
-            value = scores[r, c]
-            if not keep_zeros or value != 0:
-                scores[r, c] = value * factor
+            line = scores[r, c:c + run]
+            if keep_zeros:
+                for i in range(run):
+                    value = line[i]
+                    line[i] = value * factors[i] if value != 0 else value
+            else:
+                for i in range(run):
+                    line[i] = line[i] * factors[i]
+        c += run
+        index, row = index + 1, 0
 
 
 @jit
