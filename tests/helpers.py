@@ -88,6 +88,25 @@ def heads_first(x):
     return np.swapaxes(x, 0, 1)
 
 
+def unaligned(x):
+    """A copy of `x` in memory one byte off its dtype's alignment (8-bit data: as it is, having
+    no alignment to miss)."""
+    if x.dtype.itemsize == 1:
+        return x
+    raw = np.zeros(x.nbytes + 1, dtype=np.uint8)
+    y = raw[1:].view(x.dtype).reshape(x.shape)
+    y[...] = x
+    assert not y.flags.aligned
+    return y
+
+
+def strided(x):
+    """A copy of the 4-D `x` read through strides: every other row of a longer array."""
+    y = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)[:, :, ::2]
+    y[...] = x
+    return y
+
+
 def fortran(x):
     return np.asfortranarray(x)
 

@@ -8,7 +8,7 @@ import cpuflash
 from cpuflash.reference import attention_reference
 
 from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype,
-                     random_qkv, to_pages, with_new_keys)
+                     random_qkv, strided, to_pages, unaligned, with_new_keys)
 
 
 def bshd(x):
@@ -270,22 +270,6 @@ def test_an_entry_does_not_depend_on_its_neighbours_or_the_thread_count(
     # entry 0: the KV head after the one with the inf value row (its item follows that one's)
     check_kvcache(out[:1, 4:], lse[:1, 4:], q[:1, 4:], k_cache[:1, 1:], v_cache[:1, 1:],
                   seqlens[:1], alibi_slopes=slopes[4:], **rule)
-
-
-def unaligned(x):
-    """A copy of `x` in memory one byte off its dtype's alignment."""
-    raw = np.zeros(x.nbytes + 1, dtype=np.uint8)
-    y = raw[1:].view(x.dtype).reshape(x.shape)
-    y[...] = x
-    assert not y.flags.aligned
-    return y
-
-
-def strided(x):
-    """A copy of `x` read through strides: every other row of a larger array."""
-    y = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)[:, :, ::2]
-    y[...] = x
-    return y
 
 
 @pytest.mark.parametrize("memory", [unaligned, strided])

@@ -10,7 +10,8 @@ from cpuflash import QuantizedKV, dequantize_kv, quantize_kv
 from cpuflash._simd import LANES_F32, vload_e4m3, vload_i8, vstore
 from cpuflash.kernels._convert import FLOAT8_E4M3, INT8, widen
 
-from helpers import assert_same_bits, cache_case, check_kvcache, low_precision_dtype, to_pages
+from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided,
+                     to_pages, unaligned)
 
 FORMATS = ["int8", "float8_e4m3"]
 LIMIT = {"int8": 127, "float8_e4m3": 448}
@@ -365,24 +366,6 @@ def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng, fmt, layout
     untouched = caches()
     for now, then in zip((*kc, *vc), (*untouched[0], *untouched[1])):
         assert np.array_equal(now.view(np.uint8), then.view(np.uint8))
-
-
-def unaligned(x):
-    """A copy of `x` in memory one byte off its dtype's alignment (8-bit data: as it is)."""
-    if x.dtype.itemsize == 1:
-        return x
-    raw = np.zeros(x.nbytes + 1, dtype=np.uint8)
-    y = raw[1:].view(x.dtype).reshape(x.shape)
-    y[...] = x
-    assert not y.flags.aligned
-    return y
-
-
-def strided(x):
-    """A copy of `x` read through strides: every other position of a longer cache."""
-    y = np.zeros(x.shape[:2] + (2 * x.shape[2],) + x.shape[3:], dtype=x.dtype)[:, :, ::2]
-    y[...] = x
-    return y
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
