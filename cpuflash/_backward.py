@@ -11,7 +11,7 @@ import dataclasses
 import numba
 import numpy as np
 
-from . import _schedule, _simd, _validate, tiling
+from . import _plans, _schedule, _simd, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.backward import fa2_backward
 
@@ -211,18 +211,10 @@ def _run_backward(call, grads, seqs, fused=None):
             grad[...] = 0          # without query heads too)
         return delta
     n_threads = numba.get_num_threads()
-    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
-    tiles = tiling.backward_tiles(longest_q, longest_k)
-    group = call.n_heads // call.n_kv_heads
-    q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                           tiles.block_k)
-    q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
-    k_items, k_cost = _schedule.key_items(seqs, call.n_kv_heads, group, tiles.block_k,
-                                          tiles.block_q, call.window)
-    whole = _schedule.whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
-    if fused is None:
-        fused = _fuse(*whole, n_threads)
-    k_items, k_chunks = _schedule.balance(*(whole if fused else (k_items, k_cost)), n_threads)
+    key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
+           fused, _fuse, tiling.backward_tiles)
+    tiles, q_items, q_chunks, k_items, k_chunks, fused = _plans.schedule(
+        key, lambda: _backward_schedule(call, seqs, n_threads, fused))
 
     compute = call.compute_dtype
     width = 2 * _simd.lanes_for(compute)
@@ -235,6 +227,24 @@ def _run_backward(call, grads, seqs, fused=None):
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
            call.half_kind, call.modifiers())
     return delta
+
+
+def _backward_schedule(call, seqs, n_threads, fused):
+    """(tiles, query items and chunks, key items and chunks, fused) of the backward over the
+    sequences `seqs` (see `_run_backward`)."""
+    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
+    tiles = tiling.backward_tiles(longest_q, longest_k)
+    group = call.n_heads // call.n_kv_heads
+    q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
+                                           tiles.block_k)
+    q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
+    k_items, k_cost = _schedule.key_items(seqs, call.n_kv_heads, group, tiles.block_k,
+                                          tiles.block_q, call.window)
+    whole = _schedule.whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
+    if fused is None:
+        fused = _fuse(*whole, n_threads)
+    k_items, k_chunks = _schedule.balance(*(whole if fused else (k_items, k_cost)), n_threads)
+    return tiles, q_items, q_chunks, k_items, k_chunks, fused
 
 
 # The fused scheme does 5 tile products where the split one does 7 (it rebuilds S and dP for

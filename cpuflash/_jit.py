@@ -216,6 +216,10 @@ def array(dtype, ndim, readonly=False):
     return types.Array(numba.from_dtype(dtype), ndim, "A", readonly=readonly)
 
 
+# Kernels called through their dispatchers, which check each argument's type against the
+# signature (see `_entry_point`): for tests
+CHECK_ARGUMENTS = os.environ.get("CPUFLASH_CHECK_KERNEL_ARGUMENTS", "") not in ("", "0")
+
 # How often the notice's watcher asks the dispatcher whether it missed the cache
 NOTICE_POLL = 0.05
 _noticed = threading.Event()
@@ -234,24 +238,28 @@ class Kernel:
         self._pyfunc = pyfunc
         self._signature = signature
         self._parallel = parallel
-        self._dispatchers = {}
+        self._dispatchers = {}  # key -> its dispatcher
+        self._calls = {}  # key -> what `specialize` returns
         self._lock = threading.Lock()
         self.name = name
         self.__doc__ = pyfunc.__doc__
         self.__name__ = pyfunc.__name__
 
     def specialize(self, key):
-        """The compiled dispatcher for `key` (compiling or loading it from the cache once)."""
-        dispatcher = self._dispatchers.get(key)
-        if dispatcher is None:
+        """The compiled kernel for `key` (compiling or loading it from the cache once), as a
+        function of the signature's arguments."""
+        call = self._calls.get(key)
+        if call is None:
             with self._lock:
-                dispatcher = self._dispatchers.get(key)
-                if dispatcher is None:
+                call = self._calls.get(key)
+                if call is None:
                     dispatcher = self._compile(key)
-                    if _threads.SERIALIZED and self._parallel:
-                        dispatcher = _serialized(dispatcher)
                     self._dispatchers[key] = dispatcher
-        return dispatcher
+                    call = dispatcher if CHECK_ARGUMENTS else _entry_point(dispatcher)
+                    if _threads.SERIALIZED and self._parallel:
+                        call = _serialized(call)
+                    self._calls[key] = call
+        return call
 
     def _compile(self, key):
         """What ``numba.njit(sig)`` does, with a watcher that tells the user once the
@@ -267,6 +275,20 @@ class Kernel:
             done.set()
         dispatcher.disable_compile()
         return dispatcher
+
+
+def _entry_point(dispatcher):
+    """The machine code's own Python entry of a dispatcher compiled for one signature.
+
+    Calling the dispatcher types every argument first, and an argument that is a tuple (the
+    kernels' `mods`) is typed element by element in Python: 150-240 us a call, more than a
+    small call's whole work. The entry point converts the arguments by its one signature, in
+    about a microsecond. It refuses an array of another dtype or a tuple of another length,
+    but not an array of another number of dimensions: every caller passes arrays the
+    validation built, and the test suite runs with `CHECK_ARGUMENTS` too.
+    """
+    [compiled] = dispatcher.overloads.values()
+    return compiled.entry_point
 
 
 def _notice_on_compile(dispatcher, done, name, key):

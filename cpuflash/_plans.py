@@ -15,11 +15,14 @@ leaving first. A child process forked after entries were stored inherits them, a
 there too (the same shapes decide the same things).
 """
 
+import numpy as np
+
 from . import tiling
 
 MAX_ENTRIES = 256
 _entries = {}
 _decode_plans = {}
+_schedules = {}
 
 
 def get(key):
@@ -37,6 +40,7 @@ def clear():
     """Forget every entry (tests compare a cached and an uncached call)."""
     _entries.clear()
     _decode_plans.clear()
+    _schedules.clear()
 
 
 def decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits):
@@ -49,6 +53,23 @@ def decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits):
         plan = tiling.decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits)
         _make_room(_decode_plans)
         _decode_plans[key] = plan  # a frozen dataclass
+    return plan
+
+
+def schedule(key, make):
+    """``make()``, remembered under `key`: the tiles and the work items dealt to the threads
+    of the FA-2 kernels, which cost a small call (a layer of a small model) more than its
+    kernel does (100 us against 24, 2 heads of 16 rows). `key` must hold everything `make`
+    reads, the tiling functions it calls included (tests replace them). The plan's arrays are
+    made read-only: every later call shares them."""
+    plan = _schedules.get(key)
+    if plan is None:
+        plan = make()
+        for part in plan:
+            if isinstance(part, np.ndarray):
+                part.flags.writeable = False
+        _make_room(_schedules)
+        _schedules[key] = plan
     return plan
 
 

@@ -119,6 +119,18 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
 def _run_forward(call, seqs):
     """Choose tiles, deal the work items to threads and run the FA-2 kernel."""
     n_threads = numba.get_num_threads()
+    key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
+           call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
+           tiling.split_for_threads)
+    tiles, key_align, items, chunk_ptr = _plans.schedule(
+        key, lambda: _forward_schedule(call, seqs, n_threads))
+    kernel = fa2_forward.specialize(call.kernel_key())
+    kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
+           tiles.block_q, tiles.block_k, key_align, call.half_kind, call.modifiers())
+
+
+def _forward_schedule(call, seqs, n_threads):
+    """(tiles, key_align, items, chunk_ptr) of the FA-2 forward over the sequences `seqs`."""
     tiles = call.tiles
     longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
     if tiles is None:
@@ -133,9 +145,7 @@ def _run_forward(call, seqs):
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
                                        key_align)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
-    kernel = fa2_forward.specialize(call.kernel_key())
-    kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
-           tiles.block_q, tiles.block_k, key_align, call.half_kind, call.modifiers())
+    return tiles, key_align, items, chunk_ptr
 
 
 @_validate.public()
