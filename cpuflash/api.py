@@ -222,8 +222,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         Your own functions, as `cpuflash.flex_attention` takes them, except that `q_idx` is a
         query's position in its sequence (bottom-right aligned: the last query sits at the last
         key) and `kv_idx` a key's, so that a mask written for training works unchanged when
-        decoding. Such calls run the FA-2 kernel (a paged cache is gathered first); a quantized
-        cache does not take them.
+        decoding. They are compiled into the split-KV decoding kernel as into the forward's.
 
     Returns
     -------
@@ -270,9 +269,6 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if own:
         from . import flex
 
-        if call.quantized is not None:
-            _validate._fail(NotImplementedError, "`score_mod`/`mask_mod` with a quantized KV "
-                                                 "cache are not supported yet")
         flex._user_call(call, score_mod, score_args, mask_mod, mask_args, None, positions=True)
     _kvcache.write_new_keys(call)  # every check has passed
     if not (call.n_q and call.batch):
@@ -282,7 +278,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     group = call.n_heads // call.n_kv_heads
     # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
     # the FA-2 kernel would need a float copy)
-    if (group * call.n_q <= tiling.DECODE_MAX_ROWS and not own) or call.quantized is not None:
+    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
         setup = _Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
@@ -385,8 +381,8 @@ class _Decode:
         self.native = call.dtype == call.compute_dtype  # the kernel may write the output
         self.batch, self.n_heads, self.n_kv_heads = call.batch, call.n_heads, call.n_kv_heads
         self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
-        self.qk_scale, self.softcap, self.half_kind = call.qk_scale, call.softcap, call.half_kind
-        self.left, self.right = call.window
+        self.half_kind = call.half_kind
+        self.mods, self.user_type = call.modifiers(), call.kernel_key()[2]  # the score pipeline
         self.alibi, self.sinks = call.alibi, call.sinks
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
@@ -402,7 +398,7 @@ class _Decode:
     def frozen(self):
         """This setup with its arrays read-only, and the lengths of a full cache, to share."""
         self.full_keys = np.full(self.batch, self.n_max, dtype=np.int64)
-        for array in (self.alibi, self.sinks, self.block_table, self.full_keys):
+        for array in (self.block_table, self.full_keys) + self.mods[4:10]:
             array.flags.writeable = False
         return self
 
@@ -573,10 +569,9 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = decode.specialize((k.dtype, setup.compute_dtype, q.dtype))
-    kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len, plan.block_k,
-           setup.qk_scale, setup.softcap, setup.left, setup.right, setup.half_kind, setup.alibi,
-           part_out, part_lse, n_threads)
+    kernel = decode.specialize((k.dtype, setup.compute_dtype, q.dtype, setup.user_type))
+    kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
+           plan.block_k, setup.half_kind, setup.mods, part_out, part_lse, n_threads)
     if plan.n_splits > 1:
         out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
         _combine.merge_into(part_out, part_lse, out, lse)

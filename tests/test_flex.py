@@ -401,6 +401,59 @@ def test_kv_cache_calls_see_positions(rng, n_new, paged):
                                   causal=True)
 
 
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_decoding_runs_the_functions_in_the_split_kv_kernel_with_every_modifier(rng, fmt):
+    """One query row per head goes to the split-KV decode kernel, which applies the functions
+    after softcap and ALiBi and within the window, on float and 8-bit caches, in splits."""
+    from cpuflash import _validate
+    from cpuflash.kernels.decode import decode
+
+    b, hq, hk, n_max, d = 2, 6, 2, 300, 32
+    k_cache, v_cache = (rng.standard_normal((b, hk, n_max, d)).astype(np.float32)
+                        for _ in range(2))
+    if fmt is not None:
+        k_cache, v_cache = (cpuflash.quantize_kv(x, fmt) for x in (k_cache, v_cache))
+        keys, values = (cpuflash.dequantize_kv(x) for x in (k_cache, v_cache))
+    else:
+        keys, values = k_cache, v_cache
+    q = rng.standard_normal((b, hq, 1, d)).astype(np.float32)
+    seqlens = np.array([290, 77])
+    table = (rng.standard_normal((hq, 2 * N_REL)) * 0.5).astype(np.float32)
+    doc = documents(rng, b, n_max)
+    slopes = rng.uniform(0.01, 0.1, hq)
+    builtin = dict(softcap=20.0, alibi_slopes=slopes, window=(100, 0))
+    out = cpuflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3, score_mod=rel_bias,
+        score_args=(table,), mask_mod=same_doc, mask_args=(doc,), **builtin)
+    assert any(key[3] is not _validate._NO_USER_TYPE for key in decode._calls)
+    for e in range(b):
+        n_k = seqlens[e]
+        qi, ki = np.array([[n_k - 1]]), np.arange(n_k)[None, :]
+        bias = table[:, qi - ki + N_REL][None]
+        mask = (doc[e, qi] == doc[e, ki])[None, None]
+        assert_close_to_reference(out[e:e + 1], q[e:e + 1], keys[e:e + 1, :, :n_k],
+                                  values[e:e + 1, :, :n_k], bias=bias, mask=mask, causal=True,
+                                  **dict(builtin, alibi_slopes=slopes[None]))
+
+
+def test_decoding_a_value_row_that_mask_mod_hides_is_not_read(rng):
+    """A NaN value row hidden by `mask_mod` adds nothing to the rows it is hidden from (0 *
+    NaN would be NaN), and reaches those that see it."""
+    def hides(b, h, q_idx, kv_idx, hidden):
+        return kv_idx != hidden[h]
+
+    k_cache, v_cache = (rng.standard_normal((1, 2, 64, 32)).astype(np.float32) for _ in range(2))
+    v_cache[0, 0, 9] = np.nan  # kv head 0: query heads 0 and 1
+    q = rng.standard_normal((1, 4, 1, 32)).astype(np.float32)
+    out = cpuflash.attention_with_kvcache(q, k_cache, v_cache, mask_mod=hides,
+                                          mask_args=(np.full(4, 9),))
+    mask = np.arange(64) != 9
+    assert_close_to_reference(out, q, k_cache, np.nan_to_num(v_cache), mask=mask, causal=True)
+    seen = cpuflash.attention_with_kvcache(q, k_cache, v_cache, mask_mod=hides,
+                                           mask_args=(np.full(4, 30),))
+    assert np.isnan(seen[0, :2]).all() and np.isfinite(seen[0, 2:]).all()
+
+
 def test_branches_that_return_different_types(rng):
     """float32 scores minus a Python float are float64: a branch returning the score itself
     meets the other in float64, for floats in the forward and for duals in the backward."""

@@ -796,14 +796,39 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
     passes an empty `chain`. `pre`, unless empty, receives the scores a user's score_mod
     takes (for the gradients of its arguments).
     """
+    # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
+    any_qk_tile(q_tile, k_panels, scores, rows, cols, product_scale(mods), band[1], band[2])
+    modify_tile(scores, chain, rows, cols, at, band, mods, pre)
+
+
+@jit
+def product_scale(mods):
+    """What ``Q K^T`` is multiplied by before the modifiers: the scale, divided by the softcap
+    where there is one (`modify_tile` takes it from there)."""
+    qk_scale, softcap = mods[0], mods[1]
+    return qk_scale / softcap if softcap > 0 else qk_scale
+
+
+@jit
+def modifies(mods):
+    """Whether `modify_tile` changes a tile that lies inside its band: a softcap, ALiBi, a
+    bias, a mask or a user's function."""
+    fns = mods[10][0]
+    return (mods[1] > 0 or mods[4].shape[1] > 0 or mods[5].shape[0] > 0
+            or mods[7].shape[0] > 0 or _user.has_score_mod(fns) or _user.has_mask_mod(fns))
+
+
+@jit
+def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
+    """The score pipeline after the product: `scores` holds ``product_scale(mods) * Q K^T``
+    over each row's band (`score_tile`'s arguments), and gets every modifier in its place,
+    -inf where a key is hidden. The forward, the backward and the decode kernels all go
+    through here."""
     seq, h, q0, kb, diag0, b, state = at
     inside, lo_off, hi_off, left, right = band
-    qk_scale, softcap, _, _, alibi, bias, bias_map, mask, mask_map, _, user = mods
+    _, softcap, _, _, alibi, bias, bias_map, mask, mask_map, _, user = mods
     fns, score_args, mask_args, _, _, _, _ = user
     uq0 = _user.query_index(user, q0, diag0)
-    # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
-    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
-    any_qk_tile(q_tile, k_panels, scores, rows, cols, s_mult, lo_off, hi_off)
     # -- modifiers, in the order of the score pipeline
     if softcap > 0:
         softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)

@@ -42,7 +42,7 @@ from numba.np.numpy_support import as_dtype
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
-from . import _steps
+from . import _steps, _user
 from ._convert import load_widened, row_offset, vector_rows, widen
 
 
@@ -65,9 +65,11 @@ SERIAL_WORK = 1 << 17
 # The helpers below only read and write arrays that their caller holds, so they are compiled
 # without reference counting (`jit_borrowing`): with it, the atomic counts of the arrays passed
 # from call to call took half the time of a short item (64 keys). `_finish_rows` is
-# `_steps.finish_rows` compiled so (the same code; its own cache entry would collide with the
-# counted one, and it is compiled into the cached kernel anyway).
+# `_steps.finish_rows` compiled so, and `_modify_rows` `_steps.modify_tile` (the same code; its
+# own cache entry would collide with the counted one, and it is compiled into the cached kernel
+# anyway).
 _finish_rows = jit_borrowing(_steps.finish_rows.py_func, cache=False)
+_modify_rows = jit_borrowing(_steps.modify_tile.py_func, cache=False)
 
 
 def line_elements(arr):
@@ -84,11 +86,14 @@ def _line_elements(arr):
 
 
 def _decode(q, k_cache, v_cache, k_scale, v_scale, block_table, page_size, n_keys, split_len,
-            block_k, qk_scale, softcap, left, right, half_kind, alibi, part_out, part_lse,
-            n_threads):
+            block_k, half_kind, modifiers, part_out, part_lse, n_threads):
     # (`n_threads` is numba's thread count at the call: read in here, it would keep the kernel
-    # out of the on-disk cache; `k_scale`, `v_scale`: see `_decode_items`)
+    # out of the on-disk cache; `k_scale`, `v_scale`: see `_decode_items`; `modifiers`: the
+    # score pipeline, `_steps.modifiers_type`, taken apart before the parallel loop and put
+    # together in it, which takes tuples one level deep)
     scales = (k_scale, v_scale)
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
     n_items = q.shape[0] * k_cache.shape[1] * part_out.shape[0]
     n_chunks = min(n_items, n_threads)
     rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
@@ -96,16 +101,17 @@ def _decode(q, k_cache, v_cache, k_scale, v_scale, block_table, page_size, n_key
     if n_chunks <= 1 or _work(q, v_cache, n_keys) * (n_items - largest) <= SERIAL_WORK * n_items:
         buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3], part_lse)
         _decode_items(0, n_items, buffers, q, k_cache, v_cache, scales, block_table, page_size,
-                      n_keys, split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
-                      part_out, part_lse)
+                      n_keys, split_len, block_k, half_kind, modifiers, part_out, part_lse)
     else:
         for chunk in prange(n_chunks):
+            user = (fns, score_args, mask_args, states, state_q, state_k, positions)
+            mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
+                    user)
             buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3],
                                     part_lse)
             _decode_items(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks,
                           buffers, q, k_cache, v_cache, scales, block_table, page_size, n_keys,
-                          split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
-                          part_out, part_lse)
+                          split_len, block_k, half_kind, mods, part_out, part_lse)
 
 
 @jit_borrowing
@@ -136,8 +142,7 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
 
 @jit_borrowing
 def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table, page_size,
-                  n_keys, split_len, block_k, qk_scale, softcap, left, right, half_kind, alibi,
-                  part_out, part_lse):
+                  n_keys, split_len, block_k, half_kind, mods, part_out, part_lse):
     """Work items first .. last - 1, with the buffers of `_item_buffers`. Each item starts
     from the same state whatever ran before it (so its bits do not depend on the chunks): the
     row states and acc are reset, q_rows rewritten (its padding stays zero), and scores and the
@@ -147,16 +152,22 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     the float32 scale of each cached row, (pages, Hk, page rows), else empty. The rows are read
     as they are stored and widened unscaled in registers; a key's scale multiplies its dot
     products (the scores), a value row's its probabilities before ``P V``: one multiply per
-    (row, key) instead of one per element, and no dequantized copy anywhere."""
+    (row, key) instead of one per element, and no dequantized copy anywhere.
+
+    `mods` is the call's score pipeline (`_steps.modifiers_type`), applied by
+    `_steps.modify_tile` to each query head's rows of a block, as the forward applies it."""
     batch, n_heads, n_q, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_heads // n_kv
     rows = group * n_q  # row r is query row r % n_q of head hk * group + r // n_q
     n_splits = part_out.shape[0]
-    has_alibi = alibi.shape[1] > 0
-    s_mult = qk_scale / softcap if softcap > 0 else qk_scale
+    left, right, user = mods[2], mods[3], mods[10]
+    s_mult = _steps.product_scale(mods)
+    modified = _steps.modifies(mods)  # else only the window's edges change a block
+    masked = mods[7].shape[0] > 0 or _user.has_mask_mod(user[0])  # some key may be hidden
 
     q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
+    no_chain = scores[:0]  # decoding needs no score derivatives
     k_scale, v_scale = scales
     quantized = k_scale.shape[0] > 0
     direct = k_rows.shape[0] == 0
@@ -214,19 +225,15 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                                False)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
-            # -- score modifiers and visibility, per row of the group
-            if softcap > 0:
-                _steps.softcap_tile(scores, rows, cols, softcap, *everything)
+            # -- score modifiers and visibility, the rows of one query head at a time (they
+            # share its modifiers; row r's diagonal is r + shift)
             inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
-            if has_alibi or not inside:
-                for r in range(rows):
-                    diag = r % n_q + shift - kb  # block column under row r's diagonal
-                    if has_alibi:
-                        slope = alibi[b, hk * group + r // n_q]
-                        _steps.alibi_tile(scores[r:], 1, cols, slope, diag, *everything)
-                    if not inside:
-                        _steps.band_mask_tile(scores[r:], 1, cols, diag, left, right,
-                                              *everything)
+            band = (inside, -_steps.UNBOUNDED, _steps.UNBOUNDED, left, right)
+            # (no KV-cache call has a block mask: the state is every head's)
+            state = _user.PARTIAL if _user.has_mask_mod(user[0]) else _user.FULL
+            for g in range(group if modified or not inside else 0):
+                at = (b, hk * group + g, 0, kb, shift, b, state)
+                _modify_rows(scores[g * n_q:], no_chain, n_q, cols, at, band, mods, no_chain)
 
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
@@ -234,15 +241,16 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
                 _scale_columns(scores, rows, cols, v_scale, block_table, b, hk, kb, page_size,
                                True)
-            band = (n_q, shift - kb, left, right) if not inside else (n_q, 0, -1, -1)
+            seen = (not inside or masked, n_q, shift - kb, mods,
+                    (b, hk * group, 0, kb, shift, b, state))
             if direct:
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
-                         rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), band)
+                         rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), seen)
             else:
                 _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half_kind)
                 _pv_rows(scores, v_tile, (run_cols, v_starts, n_runs, v_step), v_tile.shape[1],
                          acc, alpha, rows, half_kind, k_cache, (next_cols, next_starts, 0, k_step),
-                         band)
+                         seen)
 
         # -- this split's normalized rows and their log-sum-exp
         for g in range(group):
@@ -611,14 +619,16 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
 
 
 @jit_borrowing
-def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, later_runs, band):
+def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, later_runs, seen):
     """acc = alpha * acc + P V over the value rows given as `runs` (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
 
-    `band` = (n_q, offset, left, right): row r sees block columns from its diagonal
-    r % n_q + offset - left to + right (-1: unbounded). Where some row cannot see every key
-    and a value row is inf or NaN, the rows go one by one over what each sees
-    (`_pv_rows_seen`): the group sums would give that row 0 * inf = NaN.
+    `seen` = (hidden, n_q, offset, mods, at): `hidden` when some row may not see some key of
+    the block (the window, or a mask of `mods`); row r's diagonal is block column
+    r % n_q + offset, and `at` places the block as `_steps.modify_tile` takes it, for the
+    group's first head (row r's is ``at[1] + r // n_q``). Where a row cannot see
+    every key and a value row is inf or NaN, the rows go one by one over what each sees: the
+    group sums would give that row 0 * inf = NaN.
 
     Each query row's block sum starts from zero in registers, adds the value rows in order and
     joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
@@ -629,8 +639,8 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
     `later_runs` (the next block's key rows).
     """
     n = _steps.lanes(acc)
-    if (band[2] >= 0 or band[3] >= 0) and not _finite_runs(values, runs, width, half_kind, acc):
-        _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band)
+    if seen[0] and not _finite_runs(values, runs, width, half_kind, acc):
+        _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen)
         return
     if _one_pass(width, rows, half_kind, acc):
         for r in range(0, rows, 2):
@@ -665,22 +675,25 @@ def _finite_runs(values, runs, width, half_kind, like):
 
 
 @jit_borrowing
-def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, band):
+def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
     n, sw = _steps.lanes(acc), scores.shape[1]
     run_cols, starts, n_runs, step = runs
-    n_q, offset, left, right = band
+    _, n_q, offset, mods, at = seen
+    seq, h0, q0, kb, diag0, b, state = at
+    left, right = mods[2], mods[3]
     for r in range(rows):
         diag = r % n_q + offset
         first = diag - left if left >= 0 else -_steps.UNBOUNDED
         last = diag + right if right >= 0 else _steps.UNBOUNDED
+        row_at = (seq, h0 + r // n_q, q0, kb, diag0, b, state)
         for x in range(0, width, n):
             total = vzeros(acc)
             for i in range(n_runs):
                 o = starts[i] + x
                 for c in range(run_cols[i], run_cols[i + 1]):
-                    if first <= c <= last:
+                    if first <= c <= last and _steps.key_visible(mods, row_at, r % n_q, c):
                         total = vfma(vbroadcast(scores, r * sw + c),
                                      load_widened(values, o, half_kind), total)
                     o += step
@@ -794,17 +807,16 @@ def _join4(acc, r, x, alpha, a0, a1, a2, a3):
 
 
 def _signature(key):
-    """(cache dtype, compute dtype, query dtype): the same dtype thrice for a float cache; an
-    8-bit cache (int8, or uint8 float8 bits) with float32 queries."""
-    cache, compute, query = key
+    """(cache dtype, compute dtype, query dtype, user functions' type): the same dtype thrice
+    for a float cache; an 8-bit cache (int8, or uint8 float8 bits) with float32 queries."""
+    cache, compute, query, user = key
     data = array(cache, 4, readonly=True)
     scale = array(np.float32, 3, readonly=True)
-    i8, f8 = types.int64, types.float64
+    i8 = types.int64
     return types.void(
         array(query, 4, readonly=True), data, data, scale, scale,
-        array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True),
-        i8, i8, f8, f8, i8, i8, i8, array(compute, 2, readonly=True), array(compute, 5),
-        array(compute, 4), i8)
+        array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True), i8, i8, i8,
+        _steps.modifiers_type(compute, user), array(compute, 5), array(compute, 4), i8)
 
 
 decode = Kernel(_decode, _signature, "KV-cache decoding")
