@@ -221,7 +221,8 @@ def test_a_slow_load_from_the_cache_gives_no_notice(tiny_kernel, capsys, monkeyp
 
     monkeypatch.setattr(caching.Cache, "load_overload", slow_load)
     again = _jit.Kernel(_tiny, _tiny_signature, "test", parallel=False)
-    dispatcher = again.specialize(np.dtype(np.float32))
+    again.specialize(np.dtype(np.float32))
+    dispatcher = again._dispatchers[np.dtype(np.float32)]
     assert dispatcher.stats.cache_hits and not dispatcher.stats.cache_misses
     assert notices(capsys.readouterr().err) == []
 
