@@ -142,18 +142,28 @@ def _generated(source, n_args, namespace, n_grads=0):
 # (generated sources cannot be cached on their own: the kernels that inline them are)
 _GENERATED = dict(HELPER_OPTIONS, cache=False)
 
-_SCORE_MOD_FORWARD = """
-def apply(fns, scores, chain, rows, cols, spans, where, args):
+
+def _over_spans(params, body):
+    """The source of ``apply(params)`` that runs `body` (lines about ``row[c]``, the score of
+    query `q_idx` and key ``kb + c``) over each row's span of the tile, in the loop shape
+    `_generated` says LLVM vectorizes; ``{unpack}`` and ``{args}`` are left for it."""
+    body = body.replace("\n", "\n" + " " * 12)
+    return f"""
+def apply({params}):
     b, h, q0, kb = where
     lo_off, hi_off = spans
-    {unpack}
+    {{unpack}}
     for r in range(rows):
         row, q_idx = scores[r], q0 + r
         first = max(0, r + lo_off)
         for i in range(min(cols, r + hi_off + 1) - first):
             c = first + i
-            row[c] = score_mod(row[c], b, h, q_idx, kb + c{args})
+            {body}
 """
+
+
+_SCORE_MOD_FORWARD = _over_spans("fns, scores, chain, rows, cols, spans, where, args",
+                                 "row[c] = score_mod(row[c], b, h, q_idx, kb + c{args})")
 
 _SCORE_MOD = """
 def apply(fns, scores, chain, rows, cols, spans, where, args):
@@ -246,19 +256,8 @@ def mask_mod_tile(fns, scores, rows, cols, spans, where, args):
     """-inf where ``mask_mod(b, h, q_idx, kv_idx, *args)`` is False, over each row's span."""
 
 
-_MASK_MOD = """
-def apply(fns, scores, rows, cols, spans, where, args):
-    b, h, q0, kb = where
-    lo_off, hi_off = spans
-    {unpack}
-    for r in range(rows):
-        row, q_idx = scores[r], q0 + r
-        first = max(0, r + lo_off)
-        for i in range(min(cols, r + hi_off + 1) - first):
-            c = first + i
-            if not mask_mod(b, h, q_idx, kb + c{args}):
-                row[c] = -np.inf
-"""
+_MASK_MOD = _over_spans("fns, scores, rows, cols, spans, where, args",
+                        "if not mask_mod(b, h, q_idx, kb + c{args}):\n    row[c] = -np.inf")
 
 
 @overload(mask_mod_tile, jit_options=_GENERATED)
