@@ -383,7 +383,7 @@ class _Decode:
         self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
         self.half_kind = call.half_kind
         self.mods, self.user_type = call.modifiers(), call.kernel_key()[2]  # the score pipeline
-        self.alibi, self.sinks = call.alibi, call.sinks
+        self.sinks = call.sinks  # (also in `mods`: the merge adds them)
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
         self.num_splits = call.num_splits
