@@ -131,7 +131,7 @@ def _check_compiles(role, function, jitted, arg_types, want):
         reason = "; ".join(line.strip() for line in reason[:6] if line.strip())
         _fail(TypeError, f"`{role}` ({name}) cannot be compiled by Numba for arguments "
                          f"({', '.join(str(t) for t in arg_types)}): {reason}")
-    if want == "bool" and result != types.boolean:
+    if want == "bool" and not isinstance(result, types.Boolean):
         _fail(TypeError, f"`{role}` ({name}) must return a bool (True: the key takes part), "
                          f"got {result}")
     if want == "number" and not isinstance(result, (types.Number, types.Boolean)):

@@ -264,6 +264,19 @@ def test_mask_mod_must_return_a_bool(case):
         cpuflash.block_mask(returns_an_int, 1, 1, 8, 8)
 
 
+def test_a_mask_mod_may_return_a_constant():
+    def everything(b, h, q_idx, kv_idx):
+        return True  # typed by Numba as the literal True, a kind of bool
+
+    def nothing(b, h, q_idx, kv_idx):
+        return False
+
+    assert (cpuflash.block_mask(everything, 1, 1, 8, 8, block=4).states
+            == cpuflash.BlockMask.FULL).all()
+    assert (cpuflash.block_mask(nothing, 1, 1, 8, 8, block=4).states
+            == cpuflash.BlockMask.EMPTY).all()
+
+
 def test_block_mask_must_fit_the_call(case):
     q, k, v, _, doc = case
     b, hq, n, _ = q.shape
