@@ -6,8 +6,10 @@ cache holds one entry per dtype and the first call stays fast. Compilation is la
 call with a given dtype) so that importing cpuflash costs nothing.
 """
 
+import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import pathlib
 import stat
@@ -141,6 +143,7 @@ class _PackageCacheLocator(caching.InTreeCacheLocator):
         super().__init__(py_func, py_file)
         # (a source folder without a fit folder of its own shares the kernels' one)
         self._cache_path = cache_dir_for(py_file)[0] or cache_location()[0]
+        _LOCKED_FOLDERS.add(self._cache_path)
 
     def get_source_stamp(self):
         return _package_stamp()
@@ -150,6 +153,56 @@ class _PackageCacheLocator(caching.InTreeCacheLocator):
         if not os.path.abspath(py_file).startswith(_PACKAGE_DIR + os.sep):
             return None  # not ours: Numba's own locators
         return cls(py_func, py_file)
+
+
+class _LockedCacheFile(caching.IndexDataCacheFile):
+    """Numba's index and data files of one function's cache entries, whose entries are saved
+    under a file lock in cpuflash's cache folders.
+
+    Numba saves an entry by reading the index, adding the entry and writing the index back,
+    unlocked: two processes that compile two signatures of one kernel at once (test workers,
+    MPI ranks or data-loader workers on a cold cache) can each drop the other's entry, and
+    both can take the same data file, leaving an index entry that names the other signature's
+    machine code (numba#10128). Under the lock entries are added one at a time, and the data
+    is written before the index names it.
+    """
+
+    def save(self, key, data):
+        if self._cache_path not in _LOCKED_FOLDERS:
+            return super().save(key, data)
+        with _folder_lock(self._cache_path):
+            overloads = self._load_index()
+            name = overloads.get(key)
+            if name is None:
+                taken = set(overloads.values())
+                name = next(n for n in map(self._data_name, itertools.count(1))
+                            if n not in taken)
+            self._save_data(name, data)
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)
+
+
+_LOCKED_FOLDERS = set()  # the folders `_PackageCacheLocator` stores entries in
+
+
+@contextlib.contextmanager
+def _folder_lock(folder):
+    """An exclusive lock on `folder`'s cache entries between processes (POSIX `flock` on a
+    file in it); no lock where there is no `fcntl` or the file cannot be opened."""
+    try:
+        import fcntl
+
+        handle = open(os.path.join(folder, "cpuflash-cache.lock"), "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file is closed
+        yield
+
+
+caching.IndexDataCacheFile = _LockedCacheFile  # read by Numba's `Cache` as it is created
 
 
 # the files whose code is compiled into kernels (what the stamp must cover)

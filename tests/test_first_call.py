@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -306,3 +307,40 @@ def test_the_private_temporary_folder_is_the_last_resort(temp_root, monkeypatch)
 def test_the_threading_layer_module_says_why_tbb_is_missing(monkeypatch):
     monkeypatch.setitem(_threads.TBB_SONAME, sys.platform, "no-such-library.so")
     assert "has no no-such-library.so" in _threads.load_tbb()
+
+
+SAVE_ENTRIES = """
+    import sys, time
+    from numba.core import caching
+    from cpuflash import _jit
+    folder, writer, locked, start = sys.argv[1], sys.argv[2], sys.argv[3] == "locked", sys.argv[4]
+    if locked:
+        _jit._LOCKED_FOLDERS.add(folder)  # as `_PackageCacheLocator` adds the kernels' folder
+    entries = caching.IndexDataCacheFile(folder, "kernel", "stamp")
+    time.sleep(max(0.0, float(start) - time.time()))  # both begin together
+    for i in range(60):
+        entries.save((writer, i), ("machine code of", writer, i))
+"""
+
+
+def _save_at_once(folder, locked):
+    """Two processes saving 60 entries each into one function's cache at the same time; the
+    entries that a later process then finds, as (writer, i) -> what it loads."""
+    start = str(time.time() + 3.0)  # after both have imported cpuflash
+    jobs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SAVE_ENTRIES), str(folder),
+                              writer, "locked" if locked else "numba", start],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for writer in "ab"]
+    for job in jobs:
+        _, err = job.communicate(timeout=120)
+        assert job.returncode == 0, err
+    entries = _jit._LockedCacheFile(str(folder), "kernel", "stamp")
+    return {(w, i): entries.load((w, i)) for w in "ab" for i in range(60)}
+
+
+def test_cache_entries_saved_by_two_processes_at_once_are_all_kept(tmp_path):
+    """Numba saves an entry by rewriting the function's index unlocked (numba#10128): two
+    processes compiling two signatures of one kernel at once lose entries, or leave one naming
+    the other's machine code. cpuflash's cache folders save under a lock."""
+    found = _save_at_once(tmp_path, locked=True)
+    assert all(found[(w, i)] == ("machine code of", w, i) for w, i in found), found
