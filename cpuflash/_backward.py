@@ -248,9 +248,11 @@ def _backward_schedule(call, seqs, n_threads, fused):
 
 
 # The fused scheme does 5 tile products where the split one does 7 (it rebuilds S and dP for
-# dQ): it is chosen when its (sequence, kv head) items keep the threads busy for at least
-# this share of the time. TODO: measure.
-FUSED_MIN_BUSY = 0.8
+# dQ), and its items run 2.0-2.1x the split's work rate in all: it is chosen when its
+# (sequence, kv head) items keep the threads busy for at least this share of the time. Forced
+# either way on 2 cores (Zen 4): 3 kv heads (75% busy) 1.50-1.63x faster fused, 5 and 7
+# (83%, 88%) 1.79-1.89x, one kv head (50%) 1.01-1.06x; so the break-even is near 48% busy.
+FUSED_MIN_BUSY = 0.6
 
 
 def _fuse(items, cost, n_threads):
