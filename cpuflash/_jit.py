@@ -16,6 +16,7 @@ import stat
 import sys
 import tempfile
 import threading
+import types as pytypes
 import warnings
 
 import numba
@@ -295,6 +296,7 @@ class Kernel:
         self._calls = {}  # key -> what `specialize` returns
         self._by_identity = {}  # ids of a key's objects -> (key, what `specialize` returns)
         self._lock = threading.Lock()
+        self._serial = None  # `_one_thread`'s kernel
         self.name = name
         self.__doc__ = pyfunc.__doc__
         self.__name__ = pyfunc.__name__
@@ -302,6 +304,8 @@ class Kernel:
     def specialize(self, key):
         """The compiled kernel for `key` (compiling or loading it from the cache once), as a
         function of the signature's arguments."""
+        if _threads.FORKED_AFTER_OPENMP and self._parallel:
+            return self._one_thread().specialize(key)
         # Hashing a key that holds a Numba type (the user's functions' type) costs 2 us, a
         # tenth of a short decoding call; the objects of a key are mostly the very same from
         # call to call (dtypes and Numba types are interned), so they are looked up by
@@ -323,6 +327,21 @@ class Kernel:
                     self._calls[key] = call
         self._by_identity[identity] = (key, call)
         return call
+
+    def _one_thread(self):
+        """This kernel compiled without `parallel` (each `prange` a plain loop; the same bits),
+        for a child forked after GNU OpenMP ran a kernel (`_threads`). Its function is a copy
+        under another name: Numba's cache keys do not hold the `parallel` flag, and the name
+        gives the copy cache entries of its own."""
+        with self._lock:
+            if self._serial is None:
+                func = self._pyfunc
+                copy = pytypes.FunctionType(func.__code__, func.__globals__, func.__name__,
+                                            func.__defaults__, func.__closure__)
+                copy.__qualname__ = func.__qualname__ + "_on_one_thread"
+                copy.__module__, copy.__doc__ = func.__module__, func.__doc__
+                self._serial = Kernel(copy, self._signature, self.name, parallel=False)
+            return self._serial
 
     def _compile(self, key):
         """What ``numba.njit(sig)`` does, with a watcher that tells the user once the

@@ -16,6 +16,15 @@ instead of aborting, and forked children keep working. One warning says so.
 
 This must run before the first parallel kernel of the process launches Numba's thread pool, so
 it runs when cpuflash is imported.
+
+Where torch is imported before cpuflash's first kernel, the layer is Numba's GNU OpenMP one
+instead (`settle_layer`, at import or at the first call). Between torch's
+operations and cpuflash's calls the two libraries hand the cores over at every call: OpenMP
+workers spin for a moment after a call, as torch's own do, where oneTBB's sleep and must be woken
+(attention calls between torch matmuls ran about 2x faster, a transformers model 1.06-1.23x).
+Numba stops a forked child that launches a parallel kernel after its parent used GNU OpenMP, so
+a child forked after a cpuflash call runs each kernel's one-thread build (`FORKED_AFTER_OPENMP`,
+`_jit.Kernel`).
 """
 
 import ctypes
@@ -31,6 +40,9 @@ import numba
 TBB_SONAME = {"linux": "libtbb.so.12", "win32": "tbb12.dll", "darwin": "libtbb.12.dylib"}
 LAUNCH_LOCK = threading.Lock()
 SERIALIZED = False  # True when parallel launches must hold LAUNCH_LOCK (workqueue fallback)
+FORKED_AFTER_OPENMP = False  # True in a child forked after GNU OpenMP ran a kernel
+SETTLED = False  # whether `settle_layer` has run
+_chosen_by_user = "NUMBA_THREADING_LAYER" in os.environ
 
 
 def choose_threading_layer():
@@ -41,6 +53,8 @@ def choose_threading_layer():
         return  # the user's choice, and the user's guarantees
     if problem is None:
         numba.config.THREADING_LAYER = "tbb"
+        if "torch" in sys.modules:
+            settle_layer()
         return
     numba.config.THREADING_LAYER = "workqueue"
     SERIALIZED = True
@@ -48,6 +62,44 @@ def choose_threading_layer():
         f"cpuflash: oneTBB could not be loaded ({problem}); using Numba's 'workqueue' threading "
         "layer, so calls from several Python threads run one at a time. "
         "`pip install tbb` restores concurrent calls.", RuntimeWarning, stacklevel=2)
+
+
+def settle_layer():
+    """Numba's GNU OpenMP layer where torch is imported (see the module's notes) and that layer
+    loads, unless the user chose a layer or Numba's threads have started; once, at import if
+    torch is there, else at the first public call (before `numba.get_num_threads`, which
+    starts the threads)."""
+    global SETTLED
+    if SETTLED:
+        return
+    SETTLED = True
+    if _chosen_by_user or "torch" not in sys.modules or _threads_started():
+        return
+    if importlib.util.find_spec("numba.np.ufunc.omppool") is None:
+        return
+    try:
+        importlib.import_module("numba.np.ufunc.omppool")  # needs the system's libgomp
+    except (ImportError, OSError):
+        return
+    numba.config.THREADING_LAYER = "omp"
+
+
+def _threads_started():
+    try:
+        numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet
+        return False
+    return True
+
+
+def _after_fork_in_child():
+    global FORKED_AFTER_OPENMP
+    if _threads_started() and numba.threading_layer() == "omp":
+        FORKED_AFTER_OPENMP = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def load_tbb():

@@ -21,6 +21,7 @@ import sys
 import numba
 import numpy as np
 
+from . import _threads
 from ._quantize import QUANT_MAX, QuantizedKV, format_name
 from .kernels import _user
 from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
@@ -866,6 +867,8 @@ def public(validate=None):
 
         @functools.wraps(function)
         def checked(*args, **kwargs):
+            if not _threads.SETTLED:
+                _threads.settle_layer()
             try:
                 return function(*args, **kwargs)
             except TypeError as exc:

@@ -1,10 +1,12 @@
 """Calls from several Python threads at once, from a forked child and from a fork pool give the
-serial bits and never hang.
+serial bits and never hang, under oneTBB and, where torch is imported first, under GNU OpenMP
+(a child forked after OpenMP ran a kernel runs the kernels' one-thread builds).
 
 What forks runs in a fresh interpreter, so the pytest process itself never forks with live TBB
 threads.
 """
 
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -47,6 +49,9 @@ def test_calls_from_many_python_threads_at_once_give_the_serial_bits():
 
 FORK_SCRIPT = """
     import os, sys, time
+    if sys.argv[2] == "torch":
+        import torch  # before cpuflash's first call: Numba's GNU OpenMP layer
+    import numba
     sys.path.insert(0, sys.argv[1])
     from helpers import digest
     from workloads import workload
@@ -54,7 +59,8 @@ FORK_SCRIPT = """
     def run_all():
         return {name: digest(call()) for name, call in workload().items()}
 
-    parent = run_all()  # the parent's thread pool is up (TBB workers live) before the fork
+    parent = run_all()  # the parent's thread pool is up (its workers live) before the fork
+    print("layer", numba.threading_layer())
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -89,14 +95,25 @@ FORK_SCRIPT = """
 """
 
 
+LAYERS = [("numpy", "tbb"),
+          pytest.param("torch", "omp", marks=pytest.mark.skipif(
+              importlib.util.find_spec("torch") is None, reason="torch is not installed"))]
+
+
 @pytest.mark.slow
-def test_kernels_work_in_a_forked_child():
-    result = run_python(FORK_SCRIPT, TESTS_DIR, timeout=300)
+@pytest.mark.parametrize("first, layer", LAYERS)
+def test_kernels_work_in_a_forked_child(first, layer):
+    result = run_python(FORK_SCRIPT, TESTS_DIR, first, timeout=600)
     assert result.returncode == 0 and "ok" in result.stdout, explain(result)
+    assert f"layer {layer}" in result.stdout, explain(result)
 
 
 POOL_SCRIPT = """
 import multiprocessing as mp
+import sys
+if sys.argv[1] == "torch":
+    import torch  # Numba's GNU OpenMP layer
+import numba
 import numpy as np
 import cpuflash
 
@@ -110,14 +127,49 @@ if __name__ == "__main__":
     with mp.get_context("fork").Pool(2) as pool:
         got = pool.map_async(call, range(4)).get(timeout=120)
     assert got == expected, "pool results differ from the parent's"
-    print("ok")
+    print("layer", numba.threading_layer(), "ok")
 """
 
 
 @pytest.mark.slow
-def test_multiprocessing_fork_pool(tmp_path):
+@pytest.mark.parametrize("first, layer", LAYERS)
+def test_multiprocessing_fork_pool(tmp_path, first, layer):
     script = tmp_path / "pool.py"  # a file, so the pool's workers can find `call`
     script.write_text(POOL_SCRIPT)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, explain(result)
+    result = subprocess.run([sys.executable, str(script), first], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and f"layer {layer} ok" in result.stdout, explain(result)
+
+
+THREADS_SCRIPT = """
+    import sys, threading
+    import torch  # Numba's GNU OpenMP layer
+    import numba
+    sys.path.insert(0, sys.argv[1])
+    from helpers import digest
+    from workloads import workload
+
+    calls = workload()
+    expected = {name: digest(call()) for name, call in calls.items()}
+    barrier, got = threading.Barrier(4), []
+
+    def worker(t):
+        barrier.wait(timeout=60)
+        for name in list(calls)[t:] + list(calls)[:t]:
+            got.append((name, digest(calls[name]())))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert len(got) == 4 * len(calls) and all(d == expected[n] for n, d in got), got
+    print("layer", numba.threading_layer(), "ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_many_python_threads_under_openmp():
+    result = run_python(THREADS_SCRIPT, TESTS_DIR, timeout=300)
+    assert result.returncode == 0 and "layer omp ok" in result.stdout, explain(result)
