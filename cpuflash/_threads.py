@@ -69,7 +69,7 @@ def settle_layer():
     loads, unless the user chose a layer or Numba's threads have started; once, at import if
     torch is there, else at the first public call (before `numba.get_num_threads`, which
     starts the threads)."""
-    global SETTLED
+    global SETTLED, SERIALIZED
     if SETTLED:
         return
     SETTLED = True
@@ -82,6 +82,7 @@ def settle_layer():
     except (ImportError, OSError):
         return
     numba.config.THREADING_LAYER = "omp"
+    SERIALIZED = False  # (GNU OpenMP takes launches from several threads at once)
 
 
 def _threads_started():
