@@ -1,7 +1,7 @@
 """Train a tiny character-level causal transformer in torch with cpuflash attention.
 
-The same model is trained twice from the same seed on the same batches: once with
-``cpuflash.torch.scaled_dot_product_attention`` and once with torch's own
+The same model is trained twice from the same seed on the same batches, a step of each in turn:
+once with ``cpuflash.torch.scaled_dot_product_attention`` and once with torch's own
 ``torch.nn.functional.scaled_dot_product_attention``. Exact attention in both, so the two loss
 curves must agree (within float32 rounding, which grows slowly over the steps); the script checks
 that and prints steps per second for both (warm steps only: the first steps, which compile
@@ -68,23 +68,35 @@ def build_model(vocab, dim, heads, layers, context):
     return TinyTransformer()
 
 
-def train(sdpa, data, vocab, args, batches):
-    """Losses per step and warm steps per second for one attention implementation."""
+def training(sdpa, data, vocab, args, batches):
+    """One step at a time (a generator): each step's loss and seconds for one attention
+    implementation."""
     torch.manual_seed(0)  # the same initial weights for both runs
     model = build_model(vocab, args.dim, args.heads, args.layers, args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for step, starts in enumerate(batches):
-        if step == WARMUP:
-            start_time = time.perf_counter()
+    for starts in batches:
+        start_time = time.perf_counter()
         x = torch.stack([data[s:s + args.context] for s in starts])
         y = torch.stack([data[s + 1:s + args.context + 1] for s in starts])
         loss = F.cross_entropy(model(x, sdpa).reshape(-1, vocab), y.reshape(-1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-    return losses, (len(batches) - WARMUP) / (time.perf_counter() - start_time)
+        yield loss.item(), time.perf_counter() - start_time
+
+
+def train_side_by_side(implementations, data, vocab, args, batches):
+    """Train one model per implementation, a step of each in turn (so that a busy moment of a
+    shared machine slows both alike); per implementation, the losses and warm steps/s."""
+    runs = [training(sdpa, data, vocab, args, batches) for sdpa in implementations]
+    losses, seconds = [[] for _ in runs], [0.0 for _ in runs]
+    for step in range(len(batches)):
+        for i, run in enumerate(runs):
+            loss, took = next(run)
+            losses[i].append(loss)
+            if step >= WARMUP:
+                seconds[i] += took
+    return [(lost, (len(batches) - WARMUP) / took) for lost, took in zip(losses, seconds)]
 
 
 def main(argv=None):
@@ -108,9 +120,9 @@ def main(argv=None):
 
     print(f"{args.steps} steps, batch {args.batch} x {args.context} characters, "
           f"{args.layers} layers of {args.heads} heads x {args.dim // args.heads}")
-    ours, ours_speed = train(cpuflash.torch.scaled_dot_product_attention, data, len(chars),
-                             args, batches)
-    theirs, theirs_speed = train(F.scaled_dot_product_attention, data, len(chars), args, batches)
+    (ours, ours_speed), (theirs, theirs_speed) = train_side_by_side(
+        [cpuflash.torch.scaled_dot_product_attention, F.scaled_dot_product_attention], data,
+        len(chars), args, batches)
 
     print(f"{'step':>6} {'cpuflash':>10} {'torch SDPA':>11} {'difference':>11}")
     every = max(1, args.steps // 10)
