@@ -73,7 +73,7 @@ def settle_layer():
     if SETTLED:
         return
     SETTLED = True
-    if _chosen_by_user or "torch" not in sys.modules or _threads_started():
+    if _chosen_by_user or "torch" not in sys.modules or _started_layer() is not None:
         return
     if importlib.util.find_spec("numba.np.ufunc.omppool") is None:
         return
@@ -85,17 +85,17 @@ def settle_layer():
     SERIALIZED = False  # (GNU OpenMP takes launches from several threads at once)
 
 
-def _threads_started():
+def _started_layer():
+    """The layer Numba's threads run on, or None before they have started."""
     try:
-        numba.threading_layer()
+        return numba.threading_layer()
     except ValueError:  # no parallel kernel has run yet
-        return False
-    return True
+        return None
 
 
 def _after_fork_in_child():
     global FORKED_AFTER_OPENMP
-    if _threads_started() and numba.threading_layer() == "omp":
+    if _started_layer() == "omp":
         FORKED_AFTER_OPENMP = True
 
 
@@ -124,7 +124,4 @@ def load_tbb():
 
 def threading_layer():
     """The layer Numba uses (or will use at the first parallel call)."""
-    try:
-        return numba.threading_layer()
-    except ValueError:  # no parallel kernel has run yet
-        return f"{numba.config.THREADING_LAYER} (not started)"
+    return _started_layer() or f"{numba.config.THREADING_LAYER} (not started)"

@@ -96,7 +96,7 @@ def train_side_by_side(implementations, data, vocab, args, batches):
             losses[i].append(loss)
             if step >= WARMUP:
                 seconds[i] += took
-    return [(lost, (len(batches) - WARMUP) / took) for lost, took in zip(losses, seconds)]
+    return [(lost, (len(batches) - WARMUP) / spent) for lost, spent in zip(losses, seconds)]
 
 
 def main(argv=None):

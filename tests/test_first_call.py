@@ -313,9 +313,8 @@ SAVE_ENTRIES = """
     import sys, time
     from numba.core import caching
     from cpuflash import _jit
-    folder, writer, locked, start = sys.argv[1], sys.argv[2], sys.argv[3] == "locked", sys.argv[4]
-    if locked:
-        _jit._LOCKED_FOLDERS.add(folder)  # as `_PackageCacheLocator` adds the kernels' folder
+    folder, writer, start = sys.argv[1], sys.argv[2], sys.argv[3]
+    _jit._LOCKED_FOLDERS.add(folder)  # as `_PackageCacheLocator` adds the kernels' folder
     entries = caching.IndexDataCacheFile(folder, "kernel", "stamp")
     time.sleep(max(0.0, float(start) - time.time()))  # both begin together
     for i in range(60):
@@ -323,12 +322,12 @@ SAVE_ENTRIES = """
 """
 
 
-def _save_at_once(folder, locked):
+def _save_at_once(folder):
     """Two processes saving 60 entries each into one function's cache at the same time; the
     entries that a later process then finds, as (writer, i) -> what it loads."""
     start = str(time.time() + 3.0)  # after both have imported cpuflash
     jobs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SAVE_ENTRIES), str(folder),
-                              writer, "locked" if locked else "numba", start],
+                              writer, start],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for writer in "ab"]
     for job in jobs:
@@ -342,5 +341,5 @@ def test_cache_entries_saved_by_two_processes_at_once_are_all_kept(tmp_path):
     """Numba saves an entry by rewriting the function's index unlocked (numba#10128): two
     processes compiling two signatures of one kernel at once lose entries, or leave one naming
     the other's machine code. cpuflash's cache folders save under a lock."""
-    found = _save_at_once(tmp_path, locked=True)
+    found = _save_at_once(tmp_path)
     assert all(found[(w, i)] == ("machine code of", w, i) for w, i in found), found
