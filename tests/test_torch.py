@@ -132,6 +132,35 @@ def test_opcheck_backward(gen):
                            sinks, "bhsd"))
 
 
+def test_eager_calls_skip_the_operator_with_its_bits(gen):
+    """Eager calls run the operator's functions without its dispatch (`_EagerAttention`): the
+    same outputs and gradients, bit for bit, as the operator gives, sinks included."""
+    q, k, v = qkv(gen, heads_q=4, heads_k=2, dtype=torch.float32)
+    sinks = randn(gen, 4, dtype=torch.float32)
+    options = (True, None, -1, -1, 1.5, None, None, None, sinks, "bhsd")
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
+        out, lse = fn(*leaves[:3], *options[:8], leaves[3], options[9])
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out, lse, [x.grad for x in leaves]
+
+    eager = run(ct._run_attention)
+    assert type(ct.attention(q, k, v).grad_fn).__name__ == "_EagerAttentionBackward"
+    operator = run(torch.ops.cpuflash.attention)
+    for ours, theirs in zip([eager[0], eager[1], *eager[2]],
+                            [operator[0], operator[1], *operator[2]]):
+        assert torch.equal(ours, theirs)
+    with torch.no_grad():  # no gradient wanted: the forward alone, no graph
+        assert ct.attention(q, k, v).grad_fn is None
+
+    # a tensor subclass (FakeTensor under torch.compile, say) goes to the operator
+    class Sub(torch.Tensor):
+        pass
+
+    assert ct._eager(q, k, v, None) and not ct._eager(q.detach().as_subclass(Sub), k, v, None)
+
+
 # ------------------------------------------------------------------------------------------------
 # the drop-in against torch's own SDPA (float32 values and gradients)
 
