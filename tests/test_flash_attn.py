@@ -239,6 +239,37 @@ def test_opcheck_varlen_and_kvcache(gen):
                            0.0, None, 0))
 
 
+def test_eager_calls_skip_the_operators_with_their_bits(gen):
+    """Eager calls run the operators' functions without their dispatch: the same outputs,
+    gradients and cache writes, bit for bit, as the operators; the caches' version counters
+    move as the operator moves them."""
+    q, k, v = randn(gen, 12, 4, 8), randn(gen, 15, 2, 8), randn(gen, 15, 2, 8)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 5, 12], [0, 9, 15]))
+    options = (True, None, 3, -1, 1.5, None)
+    results = []
+    for run in (fa._run_varlen, torch.ops.cpuflash.attention_varlen):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = run(*leaves, cu_q, cu_k, *options)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append([out, lse] + [x.grad for x in leaves])
+    assert type(results[0][0].grad_fn).__name__ == "_EagerVarlenBackward"
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+    qc, k_cache, v_cache = randn(gen, 2, 1, 4, 8), randn(gen, 2, 10, 2, 8), randn(gen, 2, 10, 2, 8)
+    new_k, new_v = randn(gen, 2, 1, 2, 8), randn(gen, 2, 1, 2, 8)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    results = []
+    for run in (fa._run_kvcache, torch.ops.cpuflash.attention_with_kvcache):
+        caches = [k_cache.clone(), v_cache.clone()]
+        versions = [c._version for c in caches]
+        out = run(qc, *caches, new_k, new_v, seqlens, None, True, None, -1, -1, 0.0, None, 0)
+        assert all(c._version > before for c, before in zip(caches, versions))
+        results.append(list(out) + caches)
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
+
+
 def test_torch_compile_traces_whole_graphs(gen):
     q, k, v = bshd_qkv(gen, n_q=9, n_k=9, d=16, dv=16)
     q.requires_grad_()
