@@ -18,10 +18,11 @@ This must run before the first parallel kernel of the process launches Numba's t
 it runs when cpuflash is imported.
 
 Where torch is imported before cpuflash's first kernel, the layer is Numba's GNU OpenMP one
-instead (`settle_layer`, at import or at the first call). Between torch's
-operations and cpuflash's calls the two libraries hand the cores over at every call: OpenMP
-workers spin for a moment after a call, as torch's own do, where oneTBB's sleep and must be woken
-(attention calls between torch matmuls ran about 2x faster, a transformers model 1.06-1.23x).
+instead (`settle_layer`, at import or at the first call). Numba's OpenMP extension then binds to
+the GNU OpenMP runtime torch loaded (the first `GOMP_*` symbols in the process): cpuflash's
+kernels run on torch's own worker threads, one pool for both libraries, where oneTBB's workers
+would sleep beside torch's spinning ones and be woken at every call (attention calls between
+torch matmuls ran about 2x faster, a transformers model 1.06-1.23x).
 Numba stops a forked child that launches a parallel kernel after its parent used GNU OpenMP, so
 a child forked after a cpuflash call runs each kernel's one-thread build (`FORKED_AFTER_OPENMP`,
 `_jit.Kernel`).
