@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from . import api
-from .torch import (_as_numpy, _as_tensor, _check_cpu, _eager, _score_keywords,
+from .torch import (_as_numpy, _as_tensor, _check_cpu, _eager, _eager_function, _score_keywords,
                     _tensor_or_none, _window_sides, torch)
 from .torch import attention as _attention
 
@@ -113,23 +113,16 @@ def _varlen_backward(ctx, dout, _dlse):
 _varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-class _EagerVarlen(torch.autograd.Function):
-    """The varlen operator's forward and gradients without its dispatch, for eager calls (as
-    `cpuflash.torch._EagerAttention`)."""
+def _eager_varlen_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    grads = _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              *ctx.options, alibi_slopes)
+    return grads + (None,) * 8
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _varlen_forward(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-        grads = _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                  *ctx.options, alibi_slopes)
-        return grads + (None,) * 8
+# the varlen operator's forward and gradients without its dispatch, for eager calls
+_EagerVarlen = _eager_function("_EagerVarlen", _varlen_forward, _varlen_setup_context,
+                               _eager_varlen_backward)
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):

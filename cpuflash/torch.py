@@ -167,29 +167,34 @@ def _backward(ctx, dout, _dlse):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The operator's forward and gradients without the operator, for eager calls.
+def _eager_function(name, forward, setup_context, backward):
+    """A `torch.autograd.Function` that runs an operator's `forward` and `setup_context` (as
+    registered with torch.library) and ``backward(ctx, *grads)``, for eager calls.
 
     Outside the kernels, a forward and backward through the operators cost 930-970 us, and
     630-670 this way (B16 H4 N64 D16 causal, the shape of a small model's layer, on 2 cores of
     an AMD EPYC Zen 3; its kernels take about 460 and 860 us). Same functions, same bits; the
     operators stay for `torch.compile`, `torch.export` and functorch's transforms.
     """
-
-    @staticmethod
-    def forward(ctx, *inputs):  # (`setup_context` in a staticmethod of its own cost 30 us more)
-        output = _forward(*inputs)
-        _setup_context(ctx, inputs, output)
+    def run(ctx, *inputs):  # (`setup_context` in a staticmethod of its own cost 30 us more)
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
-                                        bias, mask, sinks, ctx.layout)
-        return (dq, dk, dv, None, None, None, None, None, None, None, None,
-                dsinks if sinks is not None else None, None)
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(run),
+        "backward": staticmethod(torch.autograd.function.once_differentiable(backward))})
+
+
+def _eager_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
+                                    bias, mask, sinks, ctx.layout)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None, None)
+
+
+_EagerAttention = _eager_function("_EagerAttention", _forward, _setup_context, _eager_backward)
 
 
 def _eager(*tensors):
