@@ -103,26 +103,24 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cpuflash.attention_varlen_backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, alibi_slopes)
-    return (dq, dk, dv) + (None,) * 8
+def _varlen_backward_through(gradients):
+    """The varlen operator's autograd backward, its gradients from `gradients`: the backward
+    operator, or on the eager path the function the operator runs."""
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               *ctx.options, alibi_slopes)
+        return (dq, dk, dv) + (None,) * 8
+    return backward
 
 
-_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
-
-
-def _eager_varlen_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-    grads = _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                              *ctx.options, alibi_slopes)
-    return grads + (None,) * 8
-
+_varlen_op.register_autograd(
+    _varlen_backward_through(torch.ops.cpuflash.attention_varlen_backward),
+    setup_context=_varlen_setup_context)
 
 # the varlen operator's forward and gradients without its dispatch, for eager calls
 _EagerVarlen = _eager_function("_EagerVarlen", _varlen_forward, _varlen_setup_context,
-                               _eager_varlen_backward)
+                               _varlen_backward_through(_varlen_gradients))
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):

@@ -156,15 +156,20 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.cpuflash.attention_backward(
-        dout, q, k, v, out, lse, *ctx.options, alibi_slopes, bias, mask, sinks, ctx.layout)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None, None)
+def _backward_through(gradients):
+    """The operator's autograd backward, its gradients from `gradients`: the backward operator,
+    or on the eager path the function the operator runs."""
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
+                                       bias, mask, sinks, ctx.layout)
+        return (dq, dk, dv, None, None, None, None, None, None, None, None,
+                dsinks if sinks is not None else None, None)
+    return backward
 
 
-_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_attention_op.register_autograd(_backward_through(torch.ops.cpuflash.attention_backward),
+                                setup_context=_setup_context)
 
 
 def _eager_function(name, forward, setup_context, backward):
@@ -186,15 +191,8 @@ def _eager_function(name, forward, setup_context, backward):
         "backward": staticmethod(torch.autograd.function.once_differentiable(backward))})
 
 
-def _eager_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
-                                    bias, mask, sinks, ctx.layout)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None, None)
-
-
-_EagerAttention = _eager_function("_EagerAttention", _forward, _setup_context, _eager_backward)
+_EagerAttention = _eager_function("_EagerAttention", _forward, _setup_context,
+                                  _backward_through(_gradients))
 
 
 def _eager(*tensors):
