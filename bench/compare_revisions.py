@@ -39,8 +39,9 @@ def _slopes():
 # name -> (Nq, Nk, options, Hq, Hk, D, dtype); the score-modifier cases of
 # bench/test_bench_features.py, a dense short-key case (each row sees 256 keys, as a window of
 # 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
-# with a float16 cache, with D=64, with groups of one and two query heads per KV head, and paged
-# (pages of 16 and 256 rows, shuffled) too
+# with a float16 cache, with D=64, with groups of one and two query heads per KV head, paged
+# (pages of 16 and 256 rows, shuffled), and with int8 and float8_e4m3 caches (a dtype named by
+# its `cpuflash.quantize_kv` format) too
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -57,6 +58,8 @@ CASES = {
     "decode-g2": (1, 16384, {}, 16, 8, HEAD_DIM, np.float32),
     "decode-pages16": (1, 16384, dict(page_size=16), 32, 8, HEAD_DIM, np.float32),
     "decode-pages256": (1, 16384, dict(page_size=256), 32, 8, HEAD_DIM, np.float32),
+    "decode-int8": (1, 16384, {}, 32, 8, HEAD_DIM, "int8"),
+    "decode-e4m3": (1, 16384, {}, 32, 8, HEAD_DIM, "float8_e4m3"),
 }
 
 
@@ -83,6 +86,14 @@ def _call(package, name, q, k, v, options):
     if name.startswith("decode"):
         return package.attention_with_kvcache(q, k, v, **options)
     return package.attention(q, k, v, **options)
+
+
+def _caches(package, k, v, dtype):
+    """k and v as `package` takes them: quantized by its own `quantize_kv` where `dtype` names
+    an 8-bit format (each revision's `QuantizedKV` is a class of its own)."""
+    if isinstance(dtype, str):
+        return package.quantize_kv(k, dtype), package.quantize_kv(v, dtype)
+    return k, v
 
 
 def snapshot(revision, into):
@@ -119,26 +130,29 @@ def main(argv=None):
         inputs = {}
         for name in names:
             n_q, n_k, options, heads, kv_heads, d, dtype = CASES[name]
-            q = rng.standard_normal((1, heads, n_q, d), dtype=np.float32).astype(dtype)
-            k, v = (rng.standard_normal((1, kv_heads, n_k, d), dtype=np.float32).astype(dtype)
+            floats = np.float32 if isinstance(dtype, str) else dtype
+            q = rng.standard_normal((1, heads, n_q, d), dtype=np.float32).astype(floats)
+            k, v = (rng.standard_normal((1, kv_heads, n_k, d), dtype=np.float32).astype(floats)
                     for _ in range(2))
             k, v, options = _paged(k, v, options, rng)
+            caches = [_caches(package, k, v, dtype) for package in packages]
             causal = options.get("causal", False) or name.startswith("decode")
             pairs = heads * runner.visible_pairs(n_q, n_k, causal, options.get("window"))
-            first = _call(packages[0], name, q, k, v, options)
-            for revision, package in zip(args.revisions[1:], packages[1:]):
-                error = float(np.abs(_call(package, name, q, k, v, options)
+            first = _call(packages[0], name, q, *caches[0], options)
+            for revision, package, kv in zip(args.revisions[1:], packages[1:], caches[1:]):
+                error = float(np.abs(_call(package, name, q, *kv, options)
                                      - first).astype(np.float32).max())
-                if not error <= (1e-5 if dtype == np.float32 else 2e-3):
+                if not error <= (1e-5 if floats == np.float32 else 2e-3):
                     raise SystemExit(f"{revision} differs from {args.revisions[0]} on {name} "
                                      f"by {error:.3g}")
-            inputs[name] = (q, k, v, options, pairs)
+            inputs[name] = (q, caches, options, pairs)
 
         best = {(name, i): float("inf") for name in names for i in range(len(packages))}
         for _ in range(max(1, args.repeats)):
-            for name, (q, k, v, options, _) in inputs.items():
+            for name, (q, caches, options, _) in inputs.items():
                 for i, package in enumerate(packages):
-                    call = (lambda package=package: _call(package, name, q, k, v, options))
+                    call = (lambda package=package, kv=caches[i]:
+                            _call(package, name, q, *kv, options))
                     runner.settle(call, cheap=name.startswith("decode"))
                     start = time.perf_counter()
                     call()
