@@ -7,7 +7,7 @@ import pytest
 
 import cpuflash
 from cpuflash import QuantizedKV, dequantize_kv, quantize_kv
-from cpuflash._simd import LANES_F32, vload_e4m3, vload_i8, vstore
+from cpuflash._simd import E4M3_UNIT, LANES_F32, vload_e4m3, vload_i8, vstore
 from cpuflash.kernels._convert import FLOAT8_E4M3, INT8, widen
 
 from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided,
@@ -144,11 +144,13 @@ def _widen_scalars(i8, e4m3, out):
 
 def test_every_8_bit_pattern_widens_exactly():
     """Every int8 and every float8_e4m3fn bit pattern (subnormals, +-0, NaN included), by the
-    vector loads and by the scalar `widen` of the widened copies."""
+    vector loads and by the scalar `widen` of the widened copies; float8 numbers come in
+    units of E4M3_UNIT."""
     f8 = data_dtype("float8_e4m3")
     bits = np.arange(256, dtype=np.uint8)
     i8 = bits.view(np.int8)
-    expected = np.stack([i8.astype(np.float32), bits.view(f8).astype(np.float32)])
+    expected = np.stack([i8.astype(np.float32),
+                         bits.view(f8).astype(np.float32) / np.float32(E4M3_UNIT)])
     for convert in (_byte_loads, _widen_scalars):
         out = np.zeros((2, 256), np.float32)
         convert(i8, bits, out)

@@ -7,7 +7,8 @@ they are stored. `widen` and `narrow` convert one element; `load_widened`, `load
 `store_narrowed` whole SIMD vectors of rows that `vector_rows` approves. All are generic over the
 array dtype: for float32 and float64 arrays the conversions compile to nothing. The 8-bit rows
 of a quantized KV cache (int8, and float8_e4m3fn as its uint8 bits) are widened the same way,
-unscaled: the decode kernel applies their scales to scores and probabilities.
+unscaled (float8 numbers 2^8 times smaller, `unit`): the decode kernel applies their scales, and
+the unit, to scores and probabilities.
 """
 
 import numpy as np
@@ -74,7 +75,8 @@ def _f32_to_half_bits(typingctx, x):
 
 
 def widen(x, kind):
-    """Element `x` of an input array as the compute dtype (float32 for uint16 half bits)."""
+    """Element `x` of an input array as the compute dtype (float32 for uint16 half bits; for
+    float8_e4m3fn bits, in units of `unit`)."""
 
 
 def narrow(value, like, kind):
@@ -100,7 +102,7 @@ def _widen(x, kind):
 
 @jit
 def _e4m3_to_f32(bits):
-    """float8_e4m3fn bits to float32, as `_simd.vload_e4m3` widens them."""
+    """float8_e4m3fn bits to float32, 2^8 times smaller, as `_simd.vload_e4m3` widens them."""
     magnitude = np.uint32(bits) & np.uint32(0x7F)
     if magnitude == 0x7F:
         value = np.float32(np.nan)
@@ -108,6 +110,7 @@ def _e4m3_to_f32(bits):
         value = np.float32(magnitude) * np.float32(2.0 ** -9)
     else:
         value = _bits_to_f32((magnitude << np.uint32(20)) + np.uint32(120 << 23))
+    value *= np.float32(1.0 / _simd.E4M3_UNIT)  # exact: the smallest number becomes 2^-17
     return -value if bits & 0x80 else value
 
 
@@ -164,7 +167,8 @@ def row_offset(arr, i, j, row):
 
 def load_widened(arr, i, half_kind):
     """`_simd.vload(arr, i)`, the bits of a half-precision `arr` (`half_kind` says which) widened
-    to float32; an int8 `arr` or a uint8 one (float8_e4m3fn bits) too, unscaled."""
+    to float32; an int8 `arr` or a uint8 one (float8_e4m3fn bits) too, unscaled (in units of
+    `unit`)."""
 
 
 @overload(load_widened, jit_options=HELPER_OPTIONS)
@@ -179,6 +183,17 @@ def _load_widened(arr, i, half_kind):
     def load_half(arr, i, half_kind):
         return _simd.vload_bf16(arr, i) if half_kind == BFLOAT16 else _simd.vload_f16(arr, i)
     return load_half
+
+
+def unit(arr):
+    """What one of `arr`'s elements widened by `widen` or `load_widened` is worth: 2^8 for
+    float8_e4m3fn bits (`_simd.E4M3_UNIT`), else 1 (a float32 constant in kernels)."""
+
+
+@overload(unit, jit_options=STRICT_OPTIONS)
+def _unit(arr):
+    value = np.float32(_simd.E4M3_UNIT if arr.dtype == types.uint8 else 1.0)
+    return lambda arr: value
 
 
 def load_block(arr, i, stride, half_kind):

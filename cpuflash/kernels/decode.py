@@ -43,7 +43,7 @@ from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps, _user
-from ._convert import load_widened, row_offset, vector_rows, widen
+from ._convert import load_widened, row_offset, unit, vector_rows, widen
 
 
 def jit_borrowing(func, cache=_jit.CACHING):
@@ -221,8 +221,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), False,
                           NOTHING_NEXT)
             if quantized:  # -- S *= the keys' scales
-                _scale_columns(scores, rows, cols, k_scale, block_table, b, hk, kb, page_size,
-                               False)
+                _scale_columns(scores, rows, cols, k_scale, unit(k_cache), block_table, b, hk, kb,
+                               page_size, False)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
 
             # -- score modifiers and visibility, the rows of one query head at a time (they
@@ -239,8 +239,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             # prefetching the next block's key rows meanwhile)
             _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
-                _scale_columns(scores, rows, cols, v_scale, block_table, b, hk, kb, page_size,
-                               True)
+                _scale_columns(scores, rows, cols, v_scale, unit(v_cache), block_table, b, hk, kb,
+                               page_size, True)
             seen = (not inside or masked, n_q, shift - kb, mods,
                     (b, hk * group, 0, kb, shift, b, state))
             if direct:
@@ -260,12 +260,14 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
 
 
 @jit_borrowing
-def _scale_columns(scores, rows, cols, scale, block_table, b, h, start, page_size, keep_zeros):
-    """scores[r, c] *= the scale of key position start + c (batch b, head h), for rows
-    0 .. rows - 1. With `keep_zeros` (probabilities), zeros stay zero: a hidden key's
-    probability times a NaN scale (that of a non-finite row) must not reach a row that cannot
-    see it. Scores keep the product: a NaN scale makes the key's score NaN, as its dequantized
-    row would (hidden keys are masked to -inf afterwards)."""
+def _scale_columns(scores, rows, cols, scale, unit_scale, block_table, b, h, start, page_size,
+                   keep_zeros):
+    """scores[r, c] *= `unit_scale` (`_convert.unit`: a power of two, exact) and the scale of
+    key position start + c (batch b, head h), for rows 0 .. rows - 1. With `keep_zeros`
+    (probabilities), zeros stay zero: a hidden key's probability times a NaN scale (that of a
+    non-finite row) must not reach a row that cannot see it. Scores keep the product: a NaN
+    scale makes the key's score NaN, as its dequantized row would (hidden keys are masked to
+    -inf afterwards)."""
     # by runs of keys in one page, each row's run in a loop counted from 0 (vectorized: a
     # key at a time, with a branch per score, this took a third of an int8 decoding call)
     index, row, c = start // page_size, start % page_size, 0
@@ -278,10 +280,10 @@ def _scale_columns(scores, rows, cols, scale, block_table, b, h, start, page_siz
             if keep_zeros:
                 for i in range(run):
                     value = line[i]
-                    line[i] = value * factors[i] if value != 0 else value
+                    line[i] = value * unit_scale * factors[i] if value != 0 else value
             else:
                 for i in range(run):
-                    line[i] = line[i] * factors[i]
+                    line[i] = line[i] * unit_scale * factors[i]
         c += run
         index, row = index + 1, 0
 
