@@ -59,6 +59,7 @@ CASES = {
     "decode-pages16": (1, 16384, dict(page_size=16), 32, 8, HEAD_DIM, np.float32),
     "decode-pages256": (1, 16384, dict(page_size=256), 32, 8, HEAD_DIM, np.float32),
     "decode-int8": (1, 16384, {}, 32, 8, HEAD_DIM, "int8"),
+    "decode-mha-int8": (1, 16384, {}, 8, 8, HEAD_DIM, "int8"),
     "decode-e4m3": (1, 16384, {}, 32, 8, HEAD_DIM, "float8_e4m3"),
 }
 
