@@ -5,6 +5,8 @@ Measures, in one process, with cpufa and sdpa interleaved (best of N), on the sa
 - prefill of a long prompt (4096 tokens) on SmolLM2-135M-Instruct, with the share of the time
   spent in the attention function (every call timed);
 - greedy decoding with the model's KV cache after that prompt and after a short one (tokens/s);
+- greedy decoding on cpufa after the long prompt with an 8-bit `QuantizedKVCache` against the
+  model's float cache (tokens/s, and the tokens that agree);
 - sentence embeddings of a batch of 64 sentences with all-MiniLM-L6-v2 (sentences/s);
 - the adapter's own cost per call at a decoding step (torch <-> numpy, mask reading): the
   registered function against the bare cpuflash call it makes, and against sdpa's function.
@@ -83,14 +85,15 @@ def cache_keyword(model):
         else "past_key_values"
 
 
-def prefill_and_decode(model, clock, ids, steps):
+def prefill_and_decode(model, clock, ids, steps, cache=None):
     """(prefill seconds, attention seconds in it, decode seconds, attention seconds in it,
-    tokens, last prefill logits)."""
+    tokens, last prefill logits), in `cache` if one is given (else the model's own)."""
     clock.seconds = 0.0
     keyword = cache_keyword(model)
+    given = {} if cache is None else {keyword: cache}
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **given)
         prefill = time.perf_counter() - start
         attention = clock.seconds
         cache = getattr(out, keyword, None)
@@ -140,6 +143,32 @@ def bench_smollm2(model, clock, prompt_length, steps, repeats, label):
     print(f"  cpufa / sdpa: prefill {theirs[0] / ours[0]:.2f}x faster, attention "
           f"{theirs[1] / ours[1]:.2f}x, decoding {theirs[2] / ours[2]:.2f}x")
     return logit_diff
+
+
+def bench_quantized_cache(model, clock, prompt_length, steps, repeats, fmt):
+    """Decoding on cpufa after a prompt, the cache `fmt` (`QuantizedKVCache`) against the
+    model's float one: tokens/s and the attention's share, interleaved, best of `repeats`."""
+    ids = torch.randint(100, model.config.vocab_size, (1, prompt_length),
+                        generator=torch.Generator().manual_seed(prompt_length))
+    model.set_attn_implementation(NAME)
+    caches = {"float32": lambda: None,
+              fmt: lambda: cpuflash.transformers.QuantizedKVCache(model.config, fmt)}
+    best, tokens = {}, {}
+    for repeat in range(repeats + 1):  # the first round warms up (and compiles)
+        for name in (caches if repeat % 2 else list(caches)[::-1]):
+            _, _, decode, attention, tokens[name], _ = prefill_and_decode(
+                model, clock, ids, steps, caches[name]())
+            if repeat and decode < best.get(name, (float("inf"),))[0]:
+                best[name] = (decode, attention)
+    agree = int((tokens[fmt] == tokens["float32"]).cumprod(1).sum())
+    print(f"\nSmolLM2-135M-Instruct on cpufa: prompt of {prompt_length} tokens, then {steps} "
+          f"greedy decoding steps, a {fmt} cache against the float one; the first {agree} of "
+          f"{steps + 1} greedy tokens agree")
+    for name, (decode, attention) in best.items():
+        print(f"  {name:11s} cache: decoding {steps / decode:7.1f} tokens/s (attention "
+              f"{1e3 * attention / steps:.2f} ms of {1e3 * decode / steps:.1f} ms per token)")
+    print(f"  {fmt} / float32 cache: decoding {best['float32'][0] / best[fmt][0]:.2f}x faster, "
+          f"attention {best['float32'][1] / best[fmt][1]:.2f}x")
 
 
 def bench_embeddings(count, repeats):
@@ -220,6 +249,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="best of this many")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for both (default: Numba's count)")
+    parser.add_argument("--quantized", default="int8", choices=["int8", "float8_e4m3", "none"],
+                        help="the 8-bit cache decoding is timed with after the long prompt")
     parser.add_argument("--quick", action="store_true", help="512/64-token prompts, 8 steps, "
                                                              "16 sentences, best of 1")
     args = parser.parse_args(argv)
@@ -236,6 +267,9 @@ def main(argv=None):
                            "SmolLM2-135M-Instruct") > 1e-2
     failed |= bench_smollm2(model, clock, args.short, args.steps, args.repeats,
                             "SmolLM2-135M-Instruct") > 1e-2
+    if args.quantized != "none":
+        bench_quantized_cache(model, clock, args.prompt, args.steps, args.repeats,
+                              args.quantized)
     bench_call_overhead(model, args.short)
     failed |= bench_embeddings(args.sentences, args.repeats) < 0.99999
     if failed:
