@@ -596,21 +596,14 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
                     prefetch(later, lk + later_step + x)
                     prefetch(later, lk + 2 * later_step + x)
                     prefetch(later, lk + 3 * later_step + x)
-                q = vload(q_rows, q0 + x)
-                s00, s01, s02, s03 = vfma(q, y0, s00), vfma(q, y1, s01), vfma(q, y2, s02), \
-                    vfma(q, y3, s03)
+                ys = (y0, y1, y2, y3)
+                s00, s01, s02, s03 = _fma4(vload(q_rows, q0 + x), ys, s00, s01, s02, s03)
                 if count > 1:
-                    q = vload(q_rows, q1 + x)
-                    s10, s11, s12, s13 = vfma(q, y0, s10), vfma(q, y1, s11), \
-                        vfma(q, y2, s12), vfma(q, y3, s13)
+                    s10, s11, s12, s13 = _fma4(vload(q_rows, q1 + x), ys, s10, s11, s12, s13)
                 if count > 2:
-                    q = vload(q_rows, q2 + x)
-                    s20, s21, s22, s23 = vfma(q, y0, s20), vfma(q, y1, s21), \
-                        vfma(q, y2, s22), vfma(q, y3, s23)
+                    s20, s21, s22, s23 = _fma4(vload(q_rows, q2 + x), ys, s20, s21, s22, s23)
                 if count > 3:
-                    q = vload(q_rows, q3 + x)
-                    s30, s31, s32, s33 = vfma(q, y0, s30), vfma(q, y1, s31), \
-                        vfma(q, y2, s32), vfma(q, y3, s33)
+                    s30, s31, s32, s33 = _fma4(vload(q_rows, q3 + x), ys, s30, s31, s32, s33)
             at = r * sw + c
             if count == 4:
                 vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
@@ -772,21 +765,14 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
                 for e in range(0, 4 * n, line_elements(later)):
                     prefetch(later, lo + x + e)
                 j, lo = _next_position(later_runs, c, j, lo)
-            p = vbroadcast(scores, p0 + c)
-            a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
-                vfma(p, v3, a03)
+            vs = (v0, v1, v2, v3)
+            a00, a01, a02, a03 = _fma4(vbroadcast(scores, p0 + c), vs, a00, a01, a02, a03)
             if count > 1:
-                p = vbroadcast(scores, p1 + c)
-                a10, a11, a12, a13 = vfma(p, v0, a10), vfma(p, v1, a11), vfma(p, v2, a12), \
-                    vfma(p, v3, a13)
+                a10, a11, a12, a13 = _fma4(vbroadcast(scores, p1 + c), vs, a10, a11, a12, a13)
             if count > 2:
-                p = vbroadcast(scores, p2 + c)
-                a20, a21, a22, a23 = vfma(p, v0, a20), vfma(p, v1, a21), vfma(p, v2, a22), \
-                    vfma(p, v3, a23)
+                a20, a21, a22, a23 = _fma4(vbroadcast(scores, p2 + c), vs, a20, a21, a22, a23)
             if count > 3:
-                p = vbroadcast(scores, p3 + c)
-                a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), \
-                    vfma(p, v3, a33)
+                a30, a31, a32, a33 = _fma4(vbroadcast(scores, p3 + c), vs, a30, a31, a32, a33)
             o += step
     _join4(acc, r, x, alpha, a00, a01, a02, a03)
     if count > 1:
@@ -819,6 +805,13 @@ def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
     for j, total in enumerate((a0, a1, a2, a3)):
         if j < count:
             _steps.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
+
+
+@jit_borrowing
+def _fma4(a, bs, c0, c1, c2, c3):
+    """(a * bs[0] + c0, ..., a * bs[3] + c3), each one FMA: a row of the micro-kernels' block
+    of accumulators."""
+    return vfma(a, bs[0], c0), vfma(a, bs[1], c1), vfma(a, bs[2], c2), vfma(a, bs[3], c3)
 
 
 @jit_borrowing
