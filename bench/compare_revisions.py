@@ -6,7 +6,7 @@
 
 Each revision's `cpuflash/` is copied (``git archive``; ``WORKTREE`` copies the working tree)
 into a temporary folder as a package of its own, so all of them can be imported at once, and
-each compiles its kernels on first use (25-40 s each on 2 cores; the cache lives in the copy). Every
+each compiles its kernels on first use (7-20 s each on 2 cores; the cache lives in the copy). Every
 revision is checked against the first one's output before timing. Prints ns per visible
 query-key pair (summed over heads) and each case's time against the last revision's. On a
 shared machine this is the fair way to tell whether a change is faster: the revisions meet the

@@ -24,7 +24,7 @@ import numpy as np
 from numba import types
 from numba.core import caching
 
-from . import _threads
+from . import _codegen, _threads
 
 # `fastmath=True` would add `nnan`/`ninf`, letting LLVM assume no infinity exists: the kernels
 # mask scores with -inf, so only the flags that keep IEEE infinities are allowed. `reassoc` is
@@ -118,6 +118,8 @@ if not CACHING:
                   "__pycache__, Numba's per-user cache folder and a private temporary folder "
                   "were tried): kernels are compiled again in every process. Set "
                   "NUMBA_CACHE_DIR to a folder of your own to keep them.", RuntimeWarning)
+
+_codegen.install()  # kernels emitted once, not at every level of their call chain
 
 OPTIONS = dict(cache=CACHING, nogil=True, error_model="numpy", boundscheck=False,
                fastmath=FASTMATH)
@@ -352,7 +354,8 @@ class Kernel:
                                    args=(dispatcher, done, self.name, key), daemon=True)
         watcher.start()
         try:
-            dispatcher.compile(self._signature(key))
+            with _codegen.deferred():
+                dispatcher.compile(self._signature(key))
         finally:
             done.set()
         dispatcher.disable_compile()
@@ -394,8 +397,8 @@ def _tell_compiling(name, key):
     where = cache_location()[0]
     kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
     # the time: measured (docs/performance.md, "Compile time"), quoted in the README too
-    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (25-40 s per kernel "
-          f"on a 2-core AVX2 EPYC; {kept}; CPUFLASH_QUIET=1 hides this line)", file=sys.stderr,
+    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (7-9 s per kernel "
+          f"on 2 cores of an AMD EPYC Zen 4; {kept}; CPUFLASH_QUIET=1 hides this line)", file=sys.stderr,
           flush=True)
 
 
