@@ -76,7 +76,7 @@ def info_lines():
     import numpy as np
 
     import cpuflash
-    from cpuflash import _simd, tiling
+    from cpuflash import _codegen, _simd, tiling
     from cpuflash._threads import threading_layer
 
     machine = cpuflash.cpu_info()
@@ -114,6 +114,12 @@ def info_lines():
         f"threading:      {threading_layer()}",
         f"versions:       numba {numba.__version__}, llvmlite {llvmlite.__version__}, "
         f"numpy {np.__version__}, python {sys.version.split()[0]}",
+        "compiling:      " + (
+            "each kernel's call chain optimized and emitted once, in the kernel (cpuflash's "
+            "code library)" if _codegen.SUPPORTED else
+            f"Numba's own way (each function emitted on its own: 1.6-2x as long), as numba "
+            f"{numba.__version__} is not among the releases checked "
+            f"({', '.join('%d.%d' % release for release in _codegen.CHECKED_RELEASES)})"),
         f"JIT cache:      {cache_path or 'none (kernels compile in memory)'}",
         f"                chosen by: {how}; NUMBA_CACHE_DIR "
         + (f"= {cache_dir_env}" if cache_dir_env else "not set"),

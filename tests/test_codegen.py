@@ -13,8 +13,8 @@ from cpuflash import _codegen
 
 from helpers import clean_env, explain, last_json_line, run_python
 
-pytestmark = pytest.mark.skipif(not _codegen.SUPPORTED,
-                                reason="this Numba lacks an internal the deferral needs")
+checked = pytest.mark.skipif(not _codegen.SUPPORTED,
+                             reason="a Numba release the deferral was not checked against")
 
 TINY = """
     import numba
@@ -87,6 +87,7 @@ def _run(folder, dtype, cache):
     return last_json_line(result)
 
 
+@checked
 def test_a_cold_compile_emits_only_the_kernel(tiny):
     """The helper, the parallel loop's body and its two wrappers are linked into the kernel as
     IR; Numba alone emits each of the five on its own."""
@@ -96,6 +97,7 @@ def test_a_cold_compile_emits_only_the_kernel(tiny):
     assert cold["helpers_pending"] and all(cold["helpers_pending"]), cold
 
 
+@checked
 def test_what_a_cold_compile_caches_is_loaded_and_linked_by_later_processes(tiny):
     """The kernel comes back as machine code; the helper, cached as IR, is linked into a
     kernel of another dtype compiled in a later process."""
@@ -109,6 +111,7 @@ def test_what_a_cold_compile_caches_is_loaded_and_linked_by_later_processes(tiny
     assert all(other["helpers_pending"]) and other["emitted"] == ["_body"], other
 
 
+@checked
 def test_outside_a_kernel_numba_compiles_as_it_always_has(tmp_path):
     """A user's own Numba functions in the same process are emitted as Numba emits them."""
     result = run_python("""
@@ -129,3 +132,13 @@ def test_outside_a_kernel_numba_compiles_as_it_always_has(tmp_path):
     """, env=clean_env(NUMBA_CACHE_DIR=str(tmp_path / "cache")))
     assert result.returncode == 0, explain(result)
     assert "pending False" in result.stdout, explain(result)
+
+
+def test_info_says_how_kernels_compile(monkeypatch):
+    from cpuflash.__main__ import info_lines
+
+    [line] = [x for x in info_lines() if x.startswith("compiling:")]
+    assert ("emitted once, in the kernel" in line) == _codegen.SUPPORTED
+    monkeypatch.setattr(_codegen, "SUPPORTED", False)
+    [line] = [x for x in info_lines() if x.startswith("compiling:")]
+    assert "Numba's own way" in line and "0.68" in line
