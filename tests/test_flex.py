@@ -162,6 +162,34 @@ def test_bits_do_not_depend_on_the_thread_count(case):
             assert_same_bits(x, y)
 
 
+def test_a_mask_mod_alone_gives_the_bool_masks_bits_for_any_thread_count(case):
+    """Without a block mask every tile is partial: the forward asks `mask_mod` once per pair
+    and visits only the rows and key panels that hold a visible pair, whatever the tiles (they
+    change with the thread count), with the bits of the built-in boolean mask, a value that is
+    inf and a query with NaN included."""
+    q, k, v, table, doc = case
+    b, hq, n, _ = q.shape
+    v = v.copy()
+    v[0, 0, 3, 5] = np.inf  # in document 0 of batch entry 0: the other documents never read it
+    q = q.copy()
+    q[1, 2, n - 1, 0] = np.nan
+    mask = dense_doc_mask(doc, n, n)
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, before}):
+            numba.set_num_threads(threads)
+            for causal in (False, True):
+                got = cpuflash.flex_attention(q, k, v, mask_mod=same_doc, mask_args=(doc,),
+                                              causal=causal, return_lse=True)
+                expected = cpuflash.attention(q, k, v, mask=mask, causal=causal,
+                                              return_lse=True)
+                for x, y in zip(got, expected):
+                    assert_same_bits(x, y, f"threads {threads} causal {causal}")
+    finally:
+        numba.set_num_threads(before)
+    assert np.isfinite(got[0][0][:, doc[0] != doc[0, 3]]).all()
+
+
 # -- gradients ------------------------------------------------------------------------------
 
 def flex_gradients(rng, q, k, v, **kwargs):

@@ -189,12 +189,19 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     pair of panels is computed alone), and their scores are left for the band mask to
     overwrite.
     """
+    qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, 0, cols)
+
+
+@jit
+def qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, c_lo, c_hi):
+    """`qk_tile` on the panels that hold columns c_lo .. c_hi - 1 only (the others' scores are
+    left for a mask to overwrite: no row sees them)."""
     w = k_panels.shape[2]
-    panels = (cols + w - 1) // w
+    panels = (c_hi + w - 1) // w
     full = rows - rows % ROWS
     # (loops over ranges: a counter that starts as the constant 0 would first be typed as that
     # constant, and every helper it is passed to compiled twice)
-    for panel in range(0, panels, 2 if WIDE else 1):
+    for panel in range(c_lo // w, panels, 2 if WIDE else 1):
         pair = WIDE and panel + 1 < panels
         for r in range(0, full, ROWS):
             first = _sees(panel, w, r, ROWS, lo_off, hi_off)
@@ -561,18 +568,25 @@ def pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off):
     keys some of its rows can see. P is exactly 0 elsewhere, so the sums are unchanged, unless
     a value there is inf or NaN (0 * inf is NaN): such blocks go to `pv_tile_exact`.
     """
+    pv_columns(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, 0, cols)
+
+
+@jit
+def pv_columns(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, c_lo, c_hi):
+    """`pv_tile` over keys c_lo .. c_hi - 1 only (P is 0 for the others: their terms would add
+    exact zeros; `pv_tile`'s rule on inf and NaN values holds)."""
     w = 2 * lanes(acc)
     full = rows - rows % ROWS
     for x0 in range(0, acc.shape[1], 2 * w if WIDE else w):  # (ranges: see `qk_tile`)
         wide = WIDE and x0 + w < acc.shape[1]
         for r in range(0, full, ROWS):
-            key0, key1 = max(0, r + lo_off), min(cols, r + ROWS + hi_off)
+            key0, key1 = max(c_lo, r + lo_off), min(c_hi, r + ROWS + hi_off)
             if wide:
                 _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1)
             else:
                 _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1)
         for r in range(full, rows):
-            key0, key1 = max(0, r + lo_off), min(cols, r + 1 + hi_off)
+            key0, key1 = max(c_lo, r + lo_off), min(c_hi, r + 1 + hi_off)
             _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1)
             if wide:
                 _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, key0, key1)
@@ -852,6 +866,19 @@ def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
     if state == _user.PARTIAL:
         _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
                             mask_args)
+
+
+@jit
+def hide_unseen(scores, seen, rows, cols, lo_off, hi_off):
+    """-inf where ``seen[r, c]`` is False, over each row's span (`seen`: a tile's `mask_mod`
+    answers, `_user.mask_mod_fill`)."""
+    for r in range(rows):
+        row, answers = scores[r], seen[r]
+        first = max(0, r + lo_off)
+        for i in range(min(cols, r + hi_off + 1) - first):
+            c = first + i
+            if not answers[c]:
+                row[c] = -np.inf
 
 
 @jit

@@ -268,6 +268,47 @@ def _mask_mod_tile(fns, scores, rows, cols, spans, where, args):
     return _generated(_MASK_MOD, len(args) - 1, dict(mask_mod=mask_mod, np=np))
 
 
+def mask_mod_fill(fns, seen, rows, cols, spans, where, args):
+    """``seen[r, c] = mask_mod(b, h, q_idx, kv_idx, *args)`` over each row's span, and the box
+    that holds every True: ``(rows_seen, c_lo, c_hi)``, rows 0 .. rows_seen - 1 and columns
+    c_lo .. c_hi - 1 (``rows_seen`` 0: none)."""
+
+
+_MASK_MOD_FILL = """
+def apply(fns, seen, rows, cols, spans, where, args):
+    b, h, q0, kb = where
+    lo_off, hi_off = spans
+    {unpack}
+    rows_seen, c_lo, c_hi = 0, cols, 0
+    for r in range(rows):
+        row, q_idx = seen[r], q0 + r
+        first = max(0, r + lo_off)
+        count = min(cols, r + hi_off + 1) - first
+        n_seen = 0
+        for i in range(count):
+            c = first + i
+            row[c] = mask_mod(b, h, q_idx, kb + c{args})
+            n_seen += row[c]
+        if n_seen:
+            rows_seen = r + 1
+            lo, hi = first, first + count - 1
+            while not row[lo]:
+                lo += 1
+            while not row[hi]:
+                hi -= 1
+            c_lo, c_hi = min(c_lo, lo), max(c_hi, hi + 1)
+    return rows_seen, c_lo, c_hi
+"""
+
+
+@overload(mask_mod_fill, jit_options=_GENERATED)
+def _mask_mod_fill(fns, seen, rows, cols, spans, where, args):
+    mask_mod = _functions(fns)[1]
+    if mask_mod is None:  # (no partial tiles then)
+        return lambda fns, seen, rows, cols, spans, where, args: (0, 0, 0)
+    return _generated(_MASK_MOD_FILL, len(args) - 1, dict(mask_mod=mask_mod))
+
+
 def mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
     """`mask_mod` of one pair (True without one)."""
 

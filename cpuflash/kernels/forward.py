@@ -51,6 +51,8 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
         q_pairs, k_pairs, v_pairs, p_pairs = _pairs.pair_buffers(block_q, block_k, d, dv, q, lse,
                                                                  half_kind)
         pairs = q_pairs.shape[0] > 0
+        # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
+        seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
 
         for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
             (seq, h, q0, batch_q, q_start, n_q,
@@ -86,11 +88,23 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 # r + hi_off); blocks inside it need no element masks, and on its edges whole
                 # panels are skipped
                 inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+                # -- a partial tile of a `mask_mod`: its answers first, then only the box that
+                # holds every visible pair: the rows below it keep their state (as they would
+                # with every score -inf), the products and P V leave out the key panels beside
+                # it, and a tile no row sees is skipped
+                tile_rows, c_lo, c_hi, answered = rows, 0, cols, False
+                if state == _user.PARTIAL and not pairs:
+                    tile_rows, c_lo, c_hi = _user.mask_mod_fill(
+                        fns, seen, rows, cols, (lo_off, hi_off),
+                        (batch_q, h, _user.query_index(user, q0, diag0), kb), mask_args)
+                    if tile_rows == 0:
+                        continue
+                    answered = True
 
                 # -- pack the keys and values some row sees (from a whole panel)
                 w = k_panels.shape[2]
-                first = max(0, lo_off) // w * w
-                end = min(cols, rows + hi_off)
+                first = max(0, lo_off, c_lo) // w * w
+                end = min(cols, tile_rows + hi_off, c_hi)
                 if end > first and pairs:
                     _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
                                                 end - first, k_pairs[first // w:],
@@ -109,12 +123,20 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 if pairs:
                     _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
                                       mods, no_chain)
+                elif answered:  # (the mask_mod's answers are in `seen`)
+                    _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
+                                      _steps.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
+                    _steps.modify_tile(scores, no_chain, tile_rows, cols,
+                                       (seq, h, q0, kb, diag0, batch_q, _user.FULL), band, mods,
+                                       no_chain)
+                    _steps.hide_unseen(scores, seen, tile_rows, cols, lo_off, hi_off)
                 else:
                     _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
                                       mods, no_chain)
 
                 # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
-                _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off)
+                _steps.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
+                                      hi_off)
 
                 # -- acc = alpha * acc + P V; where some row cannot see every key and a value
                 # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
@@ -124,13 +146,14 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                     _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
                                          lo_off, hi_off)
                 elif not pairs and (simple or _steps.finite_rows(v_tile, first, end)):
-                    _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off)
+                    _steps.pv_columns(scores, v_tile, acc, alpha, tile_rows, cols, lo_off, hi_off,
+                                      c_lo, c_hi)
                 else:
                     if pairs:  # rare (an inf or NaN value): the exact path on widened values
                         _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                          v_tile[first:], half_kind)
-                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off,
-                                         mods, at)
+                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, tile_rows, cols, lo_off,
+                                         hi_off, mods, at)
 
             # -- normalize once, write each output row once
             sink = sinks[h] if has_sinks else -np.inf
