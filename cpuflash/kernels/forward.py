@@ -92,14 +92,13 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 # holds every visible pair: the rows below it keep their state (as they would
                 # with every score -inf), the products and P V leave out the key panels beside
                 # it, and a tile no row sees is skipped
-                tile_rows, c_lo, c_hi, answered = rows, 0, cols, False
+                tile_rows, c_lo, c_hi = rows, 0, cols
                 if state == _user.PARTIAL and not pairs:
                     tile_rows, c_lo, c_hi = _user.mask_mod_fill(
                         fns, seen, rows, cols, (lo_off, hi_off),
                         (batch_q, h, _user.query_index(user, q0, diag0), kb), mask_args)
                     if tile_rows == 0:
                         continue
-                    answered = True
 
                 # -- pack the keys and values some row sees (from a whole panel)
                 w = k_panels.shape[2]
@@ -123,7 +122,7 @@ def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, ke
                 if pairs:
                     _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
                                       mods, no_chain)
-                elif answered:  # (the mask_mod's answers are in `seen`)
+                elif state == _user.PARTIAL:  # (the mask_mod's answers are in `seen`)
                     _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
                                       _steps.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
                     _steps.modify_tile(scores, no_chain, tile_rows, cols,
