@@ -195,8 +195,13 @@ def _warmup_calls(name):
         dtype = np.dtype(ml_dtypes.bfloat16)
     x = np.zeros((1, 1, 4, 8), dtype)
     lse = np.zeros(x.shape[:-1], np.float64 if dtype == np.float64 else np.float32)
+    # a call with no modifier but a causal mask or a window runs a kernel of its own
+    # (`kernels.forward.fa2_forward_plain`), any other call the general one
     return [("attention", lambda: cpuflash.attention(x, x, x)),
+            ("attention modified", lambda: cpuflash.attention(x, x, x, softcap=30.0)),
             ("attention backward", lambda: cpuflash.attention_backward(x, x, x, x, x, lse)),
+            ("backward modified",
+             lambda: cpuflash.attention_backward(x, x, x, x, x, lse, softcap=30.0)),
             ("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))]
 
 

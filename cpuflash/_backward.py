@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _plans, _schedule, _simd, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
-from .kernels.backward import fa2_backward
+from .kernels.backward import fa2_backward, fa2_backward_plain
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
@@ -221,7 +221,8 @@ def _run_backward(call, grads, seqs, fused=None):
     dq, dk, dv = grads.kernel
     dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0,
                        -(-call.head_dim // width) * width), dtype=compute)
-    kernel = fa2_backward.specialize(call.kernel_key())
+    kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
+        call.kernel_key())
     kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,

@@ -281,6 +281,21 @@ NOTICE_POLL = 0.05
 _noticed = threading.Event()
 
 
+def variant(func, suffix, **names):
+    """A copy of the Python function `func` named ``func.__name__ + suffix`` (Numba keys its
+    cache entries by name) that sees `names` in place of its module's globals of those names.
+
+    Numba reads a global as a constant when it compiles, and never compiles a branch on one
+    that its value rules out: a variant with a flag set is a function with less to compile.
+    Its globals are a copy of the module's as they are when it is made.
+    """
+    copy = pytypes.FunctionType(func.__code__, dict(func.__globals__, **names),
+                                func.__name__ + suffix, func.__defaults__, func.__closure__)
+    copy.__qualname__ = func.__qualname__ + suffix
+    copy.__module__, copy.__doc__ = func.__module__, func.__doc__
+    return copy
+
+
 class Kernel:
     """A parallel kernel compiled once per signature key, on first use.
 
@@ -337,18 +352,16 @@ class Kernel:
         gives the copy cache entries of its own."""
         with self._lock:
             if self._serial is None:
-                func = self._pyfunc
-                copy = pytypes.FunctionType(func.__code__, func.__globals__, func.__name__,
-                                            func.__defaults__, func.__closure__)
-                copy.__qualname__ = func.__qualname__ + "_on_one_thread"
-                copy.__module__, copy.__doc__ = func.__module__, func.__doc__
-                self._serial = Kernel(copy, self._signature, self.name, parallel=False)
+                self._serial = Kernel(variant(self._pyfunc, "_on_one_thread"), self._signature,
+                                      self.name, parallel=False)
             return self._serial
 
     def _compile(self, key):
         """What ``numba.njit(sig)`` does, with a watcher that tells the user once the
         dispatcher has missed the cache: a compile, never a load, however slow the load."""
-        dispatcher = numba.njit(parallel=self._parallel, **OPTIONS)(self._pyfunc)  # lazy
+        # (no cfunc wrapper: only the Python entry is called)
+        dispatcher = numba.njit(parallel=self._parallel, no_cfunc_wrapper=True,
+                                **OPTIONS)(self._pyfunc)  # lazy
         done = threading.Event()
         watcher = threading.Thread(target=_notice_on_compile,
                                    args=(dispatcher, done, self.name, key), daemon=True)

@@ -362,6 +362,13 @@ class AttentionCall:
         return (float(self.qk_scale), float(self.softcap), left, right, self.alibi, self.bias,
                 self.bias_map, self.mask, self.mask_map, self.sinks, self.user)
 
+    def plain(self):
+        """Whether the call has no modifier but a causal mask or a window: the forward then
+        runs a kernel compiled without the others (`kernels.forward.fa2_forward_plain`)."""
+        return (self.softcap == 0 and self.alibi.shape[1] == 0 and self.bias.shape[0] == 0
+                and self.mask.shape[0] == 0 and self.sinks.shape[0] == 0
+                and self.user is NO_USER_FUNCTIONS)
+
     def kernel_key(self):
         """The key the FA-2 kernels are specialized by: dtypes, and the user's functions."""
         user = _NO_USER_TYPE if self.user is NO_USER_FUNCTIONS else numba.typeof(self.user)

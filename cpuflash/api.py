@@ -7,7 +7,7 @@ from numba.np.ufunc import parallel as _numba_parallel
 from . import _backward, _combine, _kvcache, _plans, _quantize, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode
-from .kernels.forward import fa2_forward
+from .kernels.forward import fa2_forward, fa2_forward_plain
 
 
 @_validate.public(_validate.attention_args)
@@ -124,7 +124,7 @@ def _run_forward(call, seqs):
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
-    kernel = fa2_forward.specialize(call.kernel_key())
+    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
     kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
            tiles.block_q, tiles.block_k, key_align, call.half_kind, call.modifiers())
 

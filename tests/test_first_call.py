@@ -28,12 +28,21 @@ FIRST_CALL = """
 """
 FIRST_BACKWARD = """
     import numpy as np, cpuflash
-    from cpuflash.kernels.backward import fa2_backward
+    from cpuflash.kernels.backward import fa2_backward_plain
     x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
     out, lse = cpuflash.attention(x, x, x, causal=True, return_lse=True)
     grads = cpuflash.attention_backward(x, x, x, out, out, lse, causal=True)
-    [kernel] = fa2_backward._dispatchers.values()
+    [kernel] = fa2_backward_plain._dispatchers.values()
     print("loaded", bool(kernel.stats.cache_hits) and not kernel.stats.cache_misses)
+"""
+
+# calls with a modifier other than a causal mask or a window run the general kernels
+MODIFIED_CALLS = """
+    import numpy as np, cpuflash
+    x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
+    out, lse = cpuflash.attention(x, x, x, softcap=20.0, return_lse=True)
+    grads = cpuflash.attention_backward(x, x, x, out, out, lse, softcap=20.0)
+    print("finite", bool(np.isfinite(out).all() and np.isfinite(grads[0]).all()))
 """
 
 
@@ -68,6 +77,8 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
     assert warmup.returncode == 0, explain(warmup)
     assert "float32   attention" in warmup.stdout and "KV-cache decoding" in warmup.stdout
     assert "float32   attention backward" in warmup.stdout, explain(warmup)
+    assert "float32   attention modified" in warmup.stdout, explain(warmup)
+    assert "float32   backward modified" in warmup.stdout, explain(warmup)
     assert str(tmp_path / "cache") in warmup.stdout, explain(warmup)
     assert notices(warmup.stderr) == [], "warmup says what it compiles itself"
     assert "float32   split merge" in warmup.stdout and "float64   split merge" in warmup.stdout
@@ -76,6 +87,9 @@ def test_warmup_fills_the_cache_that_a_later_process_uses(tmp_path):
     backward = run_python(FIRST_BACKWARD, env=env, cwd=str(tmp_path), timeout=600)
     assert backward.returncode == 0 and "loaded True" in backward.stdout, explain(backward)
     assert backward.stderr == "", explain(backward)
+    modified = run_python(MODIFIED_CALLS, env=env, cwd=str(tmp_path), timeout=600)
+    assert modified.returncode == 0 and "finite True" in modified.stdout, explain(modified)
+    assert modified.stderr == "", explain(modified)
     split = run_python(SPLIT_DECODE, env=env, cwd=str(tmp_path), timeout=600)
     assert split.returncode == 0 and "merged True" in split.stdout, explain(split)
     assert split.stderr == "", explain(split)

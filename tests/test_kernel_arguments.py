@@ -23,6 +23,7 @@ EVERY_ROUTE = """
                                   return_lse=True)
     cpuflash.attention_backward(out, q, k, v, out, lse, causal=True, alibi_slopes=np.ones(4),
                                 sinks=np.ones(4))
+    cpuflash.attention_backward(out, q, k, v, out, lse, causal=True)  # (the plain kernels)
     cpuflash.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
     cu = np.array([0, 20, 37], dtype=np.int32)
     cpuflash.attention_varlen(q[0].swapaxes(0, 1), q[0].swapaxes(0, 1), q[0].swapaxes(0, 1),
@@ -53,8 +54,9 @@ EVERY_ROUTE = """
     cpuflash.flex_attention_backward(out, q, k, v, out, lse, score_mod=bias, score_args=(table,),
                                      score_mod_grad=bias_grad)
 
-    kernels = (forward.fa2_forward, backward.fa2_backward, backward.score_arg_grads,
-               decode.decode, fa1.fa1_forward, _combine._merge_kernel)
+    kernels = (forward.fa2_forward, forward.fa2_forward_plain, backward.fa2_backward,
+               backward.fa2_backward_plain, backward.score_arg_grads, decode.decode,
+               fa1.fa1_forward, _combine._merge_kernel)
     print("not called", [kernel.name for kernel in kernels if not kernel._calls])
     print("checked", all(isinstance(c, numba.core.registry.CPUDispatcher)
                          for kernel in kernels for c in kernel._calls.values()))

@@ -816,6 +816,16 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
 
 
 @jit
+def band_scores(q_tile, k_panels, scores, rows, cols, mult, offset, band):
+    """`score_tile` of a call with no modifier but its band (a causal mask or a window; `mult`
+    its scale, `offset` the tile's ``diag0 - kb``): the same steps, without the others'."""
+    inside, lo_off, hi_off, left, right = band
+    any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+    if not inside:
+        band_mask_tile(scores, rows, cols, offset, left, right, lo_off, hi_off)
+
+
+@jit
 def product_scale(mods):
     """What ``Q K^T`` is multiplied by before the modifiers: the scale, divided by the softcap
     where there is one (`modify_tile` takes it from there)."""
@@ -901,6 +911,8 @@ def masks_keys(mods, state):
 def key_visible(mods, at, r, c):
     """Whether the bool mask and the user's `mask_mod` let row r of a tile see its column c
     (``at`` as `score_tile` takes it; the band is checked by the caller)."""
+    if mods is None:  # a call with no modifier but its band (`kernels.forward.PLAIN`)
+        return True
     mask, mask_map, user = mods[7], mods[8], mods[10]
     seq, h, q0, kb, diag0, b, state = at
     if mask.shape[0] > 0 and not mask[mask_map[seq], h, q0 + r, kb + c]:

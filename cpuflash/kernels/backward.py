@@ -51,23 +51,24 @@ import numba
 import numpy as np
 from numba import prange, types
 
-from .._jit import Kernel, array, jit
+from .._jit import Kernel, array, jit, variant
 from .._simd import vfma, vhsum, vload, vzeros
 from . import _pairs, _steps, _user
+
+# True in `fa2_backward_plain`'s copies of the passes (`_jit.variant`), for calls with no
+# modifier but a causal mask or a window: Numba then compiles none of the others' branches
+PLAIN = False
 
 
 def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
                   k_items, k_chunks, fused, block_q, block_k, half_kind, modifiers):
-    d = q.shape[3]
     d_v = v.shape[3]
-    group = q.shape[1] // k.shape[1]
-    cdtype = lse.dtype
     # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
-    # together again in the loops, as `mods`)
+    # together again in the loops, as `mods`. The passes' bodies are functions of their own:
+    # Numba types a parallel loop's body twice, and runs its passes over it, where it is
+    # written)
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
     fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_chain = softcap > 0 or _user.has_score_mod(fns)
-    no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
 
     # ---- delta = rowsum(dO * O) of every query row, which both passes read
     for chunk in prange(q_chunks.shape[0] - 1):
@@ -84,130 +85,8 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
-        # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
-        # products), K and V as panels (and K as rows for dQ), S/P, dP/dS, the chain factor,
-        # dK and dV
-        q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
-            block_q, block_k, d, d_v, lse)
-        q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
-        dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
-        k_rows = _rows_buffer(block_k if fused else 0, d, lse)
-        # bfloat16 on AVX512-BF16: the products as bfloat16 dot products (`_pairs`), with the
-        # widened tiles kept for the exact steps and the finiteness checks. Else empty.
-        q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
-            _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
-        q_row_pairs, do_row_pairs, transposed, transposed_pairs = \
-            _pairs.transposed_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
-        pairs = q_pairs.shape[0] > 0
-        lse_rows = np.empty(block_q, dtype=cdtype)
-        delta_rows = np.empty(block_q, dtype=cdtype)
-        # `pv_tile`'s rescale factors: none here (for a tile's rows, or its keys with pairs)
-        ones = np.ones(max(block_q, block_k), dtype=cdtype)
-
-        for item in range(k_chunks[chunk], k_chunks[chunk + 1]):
-            (seq, hk, k_first, batch_q, q_start, n_q,
-             batch_k, k_start, n_k) = _steps.work_item(k_items, item, seqs)
-            shift = n_k - n_q  # bottom-right alignment: query row i sits over key i + shift
-            if fused:
-                for h in range(hk * group, (hk + 1) * group):
-                    row0 = _acc_row(dq, batch_q, h, q_start)
-                    dq_acc[row0:row0 + n_q, :] = 0.0
-
-            for k0 in range(k_first, n_k if fused else k_first + 1, block_k):
-                cols = min(block_k, n_k - k0)
-                # -- the query tiles that see a key of this block: `visible_keys` from the
-                # keys' side (key j is seen by the rows j - shift - right .. j - shift +
-                # left), tiles at multiples of block_q
-                q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
-
-                # -- this block's keys and values, once for every query head of the group
-                _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
-                _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
-                if fused:
-                    _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
-                if pairs:
-                    _pairs.pack_panel_pairs(k, batch_k, hk, k_start + k0, cols, k_panel_pairs)
-                    _pairs.pack_panel_pairs(v, batch_k, hk, k_start + k0, cols, v_panel_pairs)
-                    if fused:
-                        _pairs.pack_row_pairs(k, batch_k, hk, k_start + k0, cols, k_row_pairs)
-                dk_acc[:cols, :] = 0.0
-                dv_acc[:cols, :] = 0.0
-                keys_finite = (_steps.finite_panels(k_panels, cols)
-                               and _steps.finite_panels(v_panels, cols))
-
-                for h in range(hk * group, (hk + 1) * group):
-                    for q0 in range(q_lo, q_hi, block_q):
-                        rows = min(block_q, n_q - q0)
-                        state = _user.tile_state(user, batch_q, h, q0, rows, k0, cols)
-                        if state == _user.EMPTY:
-                            continue
-                        diag0 = q0 + shift
-                        inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
-                                                                   right)
-                        band = (inside, lo_off, hi_off, left, right)
-                        _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
-                                         q_tile, do_tile, lse_rows, delta_rows, half_kind)
-                        _copy_into(q_rows, q_tile, rows, d)
-                        _copy_into(do_rows, do_tile, rows, d_v)
-
-                        # -- S: the forward's score pipeline; dP = dO V^T
-                        at = (seq, h, q0, k0, diag0, batch_q, state)
-                        if pairs:
-                            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
-                            _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows,
-                                                    do_pairs)
-                            _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs,
-                                         scores, dp, chain, rows, cols, at, band, mods)
-                        else:
-                            _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at,
-                                              band, mods, no_pre)
-                            _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off,
-                                           hi_off)
-
-                        # -- P = exp(S - lse), dS = P (dP - delta)
-                        _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
-                                               cols, lo_off, hi_off, has_chain)
-
-                        # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
-                        # cannot see every key and an operand is inf or NaN, over what each
-                        # row sees only (0 * inf is NaN)
-                        exact = (not inside or _steps.masks_keys(mods, state)) and not (
-                            keys_finite and _finite_rows(q_tile, do_tile, lse_rows, delta_rows,
-                                                         rows))
-                        if exact:
-                            _steps.tn_tile_exact(scores, do_rows, dv_acc, rows, cols, lo_off,
-                                                 hi_off, mods, at)
-                            _steps.tn_tile_exact(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off,
-                                                 mods, at)
-                        elif pairs:  # P and dS rounded to bfloat16, as flash-attn does
-                            _pairs.pack_row_pairs(q, batch_q, h, q_start + q0, rows,
-                                                  q_row_pairs)
-                            _pairs.pack_row_pairs(dout, batch_q, h, q_start + q0, rows,
-                                                  do_row_pairs)
-                            _pairs.tn_tile_pairs(scores, transposed, transposed_pairs,
-                                                 do_row_pairs, dv_acc, ones, rows, cols, lo_off,
-                                                 hi_off)
-                            _pairs.tn_tile_pairs(dp, transposed, transposed_pairs, q_row_pairs,
-                                                 dk_acc, ones, rows, cols, lo_off, hi_off)
-                        else:
-                            _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
-                            _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
-                        if fused:
-                            row0 = _acc_row(dq, batch_q, h, q_start + q0)
-                            _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
-                                      lo_off, hi_off, exact, mods, at, pairs, ds_pairs,
-                                      k_row_pairs)
-
-                # -- each row of dK and dV written once
-                _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
-                                  half_kind)
-                _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
-
-            if fused:
-                for h in range(hk * group, (hk + 1) * group):
-                    row0 = _acc_row(dq, batch_q, h, q_start)
-                    _steps.store_rows(dq_acc[row0:row0 + n_q], n_q, qk_scale, dq, batch_q, h,
-                                      q_start, half_kind)
+        _key_pass(k_chunks[chunk], k_chunks[chunk + 1], q, k, v, dout, lse, delta, dq, dk, dv,
+                  dq_acc, seqs, k_items, fused, block_q, block_k, half_kind, mods)
 
     # ---- the query pass: dQ of one query tile, summed over the key blocks it sees (in the
     # key pass's order: the sums, and so the bits, are those of the fused key pass)
@@ -215,72 +94,221 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
         user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
-        q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
-            block_q, block_k, d, d_v, lse)
-        k_rows, dq_rows = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
-        q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
-            _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
-        pairs = q_pairs.shape[0] > 0
-        lse_rows = np.empty(block_q, dtype=cdtype)
-        delta_rows = np.empty(block_q, dtype=cdtype)
-        ones = np.ones(block_q, dtype=cdtype)
+        _query_pass(q_chunks[chunk], q_chunks[chunk + 1], q, k, v, dout, lse, delta, dq, dk, dv,
+                    dq_acc, seqs, q_items, fused, block_q, block_k, half_kind, mods)
 
-        for item in range(q_chunks[chunk], q_chunks[chunk + 1]):
-            (seq, h, q0, batch_q, q_start, n_q,
-             batch_k, k_start, n_k) = _steps.work_item(q_items, item, seqs)
-            hk = h // group
-            rows = min(block_q, n_q - q0)
-            diag0 = q0 + n_k - n_q
 
-            # -- the keys some row of this tile sees, in blocks at multiples of block_k
-            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+@jit
+def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_acc, seqs,
+              items, fused, block_q, block_k, half_kind, mods):
+    """The key pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
+    d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    has_chain = False if PLAIN else (softcap > 0 or _user.has_score_mod(fns))
+    visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
+    no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
+    # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
+    # products), K and V as panels (and K as rows for dQ), S/P, dP/dS, the chain factor,
+    # dK and dV
+    q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
+        block_q, block_k, d, d_v, lse)
+    q_rows, do_rows = _rows_buffer(block_q, d, lse), _rows_buffer(block_q, d_v, lse)
+    dk_acc, dv_acc = _rows_buffer(block_k, d, lse), _rows_buffer(block_k, d_v, lse)
+    k_rows = _rows_buffer(block_k if fused else 0, d, lse)
+    # bfloat16 on AVX512-BF16: the products as bfloat16 dot products (`_pairs`), with the
+    # widened tiles kept for the exact steps and the finiteness checks. Else empty.
+    q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
+        _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+    q_row_pairs, do_row_pairs, transposed, transposed_pairs = \
+        _pairs.transposed_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+    pairs = q_pairs.shape[0] > 0
+    lse_rows = np.empty(block_q, dtype=cdtype)
+    delta_rows = np.empty(block_q, dtype=cdtype)
+    # `pv_tile`'s rescale factors: none here (for a tile's rows, or its keys with pairs)
+    ones = np.ones(max(block_q, block_k), dtype=cdtype)
 
-            _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
-                             do_tile, lse_rows, delta_rows, half_kind)
+    for item in range(first_item, end_item):
+        (seq, hk, k_first, batch_q, q_start, n_q,
+         batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
+        shift = n_k - n_q  # bottom-right alignment: query row i sits over key i + shift
+        if fused:
+            for h in range(hk * group, (hk + 1) * group):
+                row0 = _acc_row(dq, batch_q, h, q_start)
+                dq_acc[row0:row0 + n_q, :] = 0.0
+
+        for k0 in range(k_first, n_k if fused else k_first + 1, block_k):
+            cols = min(block_k, n_k - k0)
+            # -- the query tiles that see a key of this block: `visible_keys` from the
+            # keys' side (key j is seen by the rows j - shift - right .. j - shift +
+            # left), tiles at multiples of block_q
+            q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
+
+            # -- this block's keys and values, once for every query head of the group
+            _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
+            _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
+            if fused:
+                _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
             if pairs:
-                _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
-                _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows, do_pairs)
-            dq_rows[:rows, :] = 0.0
-            rows_finite = _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows)
+                _pairs.pack_panel_pairs(k, batch_k, hk, k_start + k0, cols, k_panel_pairs)
+                _pairs.pack_panel_pairs(v, batch_k, hk, k_start + k0, cols, v_panel_pairs)
+                if fused:
+                    _pairs.pack_row_pairs(k, batch_k, hk, k_start + k0, cols, k_row_pairs)
+            dk_acc[:cols, :] = 0.0
+            dv_acc[:cols, :] = 0.0
+            keys_finite = (_steps.finite_panels(k_panels, cols)
+                           and _steps.finite_panels(v_panels, cols))
 
-            for kb in range(k_lo, k_hi, block_k):
-                cols = min(block_k, k_hi - kb)
-                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
-                if state == _user.EMPTY:
-                    continue
-                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
-                band = (inside, lo_off, hi_off, left, right)
+            for h in range(hk * group, (hk + 1) * group):
+                for q0 in range(q_lo, q_hi, block_q):
+                    rows = min(block_q, n_q - q0)
+                    state = (_user.FULL if PLAIN
+                             else _user.tile_state(user, batch_q, h, q0, rows, k0, cols))
+                    if state == _user.EMPTY:
+                        continue
+                    diag0 = q0 + shift
+                    inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
+                                                               right)
+                    band = (inside, lo_off, hi_off, left, right)
+                    _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
+                                     q_tile, do_tile, lse_rows, delta_rows, half_kind)
+                    _copy_into(q_rows, q_tile, rows, d)
+                    _copy_into(do_rows, do_tile, rows, d_v)
 
-                # -- the block's keys (as panels and as rows) and values
-                _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
-                _steps.pack_rows(k, batch_k, hk, k_start + kb, cols, k_rows, half_kind)
-                _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+                    # -- S: the forward's score pipeline; dP = dO V^T
+                    at = (seq, h, q0, k0, diag0, batch_q, state)
+                    if pairs:
+                        _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+                        _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows,
+                                                do_pairs)
+                        _scores_and_dp(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs,
+                                       scores, dp, chain, rows, cols, at, band, mods, no_pre)
+                    else:
+                        _scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain,
+                                       rows, cols, at, band, mods, no_pre)
 
-                # -- S and dP, as in the key pass
-                at = (seq, h, q0, kb, diag0, batch_q, state)
-                if pairs:
-                    _pairs.pack_panel_pairs(k, batch_k, hk, k_start + kb, cols, k_panel_pairs)
-                    _pairs.pack_panel_pairs(v, batch_k, hk, k_start + kb, cols, v_panel_pairs)
-                    _pairs.pack_row_pairs(k, batch_k, hk, k_start + kb, cols, k_row_pairs)
-                    _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp,
-                                 chain, rows, cols, at, band, mods)
-                else:
-                    _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band,
-                                      mods, no_pre)
-                    _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                    # -- P = exp(S - lse), dS = P (dP - delta)
+                    _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
+                                           cols, lo_off, hi_off, has_chain)
 
-                # -- P and dS
-                _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
-                                       lo_off, hi_off, has_chain)
+                    # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
+                    # cannot see every key and an operand is inf or NaN, over what each
+                    # row sees only (0 * inf is NaN)
+                    exact = (not inside or _steps.masks_keys(mods, state)) and not (
+                        keys_finite and _finite_rows(q_tile, do_tile, lse_rows, delta_rows,
+                                                     rows))
+                    if exact:
+                        _steps.tn_tile_exact(scores, do_rows, dv_acc, rows, cols, lo_off,
+                                             hi_off, visible, at)
+                        _steps.tn_tile_exact(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off,
+                                             visible, at)
+                    elif pairs:  # P and dS rounded to bfloat16, as flash-attn does
+                        _pairs.pack_row_pairs(q, batch_q, h, q_start + q0, rows,
+                                              q_row_pairs)
+                        _pairs.pack_row_pairs(dout, batch_q, h, q_start + q0, rows,
+                                              do_row_pairs)
+                        _pairs.tn_tile_pairs(scores, transposed, transposed_pairs,
+                                             do_row_pairs, dv_acc, ones, rows, cols, lo_off,
+                                             hi_off)
+                        _pairs.tn_tile_pairs(dp, transposed, transposed_pairs, q_row_pairs,
+                                             dk_acc, ones, rows, cols, lo_off, hi_off)
+                    else:
+                        _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
+                        _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+                    if fused:
+                        row0 = _acc_row(dq, batch_q, h, q_start + q0)
+                        _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
+                                  lo_off, hi_off, exact, visible, at, pairs, ds_pairs,
+                                  k_row_pairs)
 
-                # -- dQ += dS K (over what each row sees only, as in the key pass)
-                exact = (not inside or _steps.masks_keys(mods, state)) and not (
-                    rows_finite and _steps.finite_panels(k_panels, cols)
-                    and _steps.finite_panels(v_panels, cols))
-                _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods,
-                          at, pairs, ds_pairs, k_row_pairs)
+            # -- each row of dK and dV written once
+            _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
+                              half_kind)
+            _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
 
-            _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+        if fused:
+            for h in range(hk * group, (hk + 1) * group):
+                row0 = _acc_row(dq, batch_q, h, q_start)
+                _steps.store_rows(dq_acc[row0:row0 + n_q], n_q, qk_scale, dq, batch_q, h,
+                                  q_start, half_kind)
+
+
+@jit
+def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_acc, seqs,
+                items, fused, block_q, block_k, half_kind, mods):
+    """The query pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
+    d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    has_chain = False if PLAIN else (softcap > 0 or _user.has_score_mod(fns))
+    visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
+    no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
+    q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
+        block_q, block_k, d, d_v, lse)
+    k_rows, dq_rows = _rows_buffer(block_k, d, lse), _rows_buffer(block_q, d, lse)
+    q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs, ds_pairs = \
+        _pairs.backward_pair_buffers(block_q, block_k, d, d_v, q, lse, half_kind)
+    pairs = q_pairs.shape[0] > 0
+    lse_rows = np.empty(block_q, dtype=cdtype)
+    delta_rows = np.empty(block_q, dtype=cdtype)
+    ones = np.ones(block_q, dtype=cdtype)
+
+    for item in range(first_item, end_item):
+        (seq, h, q0, batch_q, q_start, n_q,
+         batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
+        hk = h // group
+        rows = min(block_q, n_q - q0)
+        diag0 = q0 + n_k - n_q
+
+        # -- the keys some row of this tile sees, in blocks at multiples of block_k
+        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+
+        _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
+                         do_tile, lse_rows, delta_rows, half_kind)
+        if pairs:
+            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+            _pairs.pack_query_pairs(dout, batch_q, h, q_start + q0, rows, do_pairs)
+        dq_rows[:rows, :] = 0.0
+        rows_finite = _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows)
+
+        for kb in range(k_lo, k_hi, block_k):
+            cols = min(block_k, k_hi - kb)
+            state = (_user.FULL if PLAIN
+                     else _user.tile_state(user, batch_q, h, q0, rows, kb, cols))
+            if state == _user.EMPTY:
+                continue
+            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+            band = (inside, lo_off, hi_off, left, right)
+
+            # -- the block's keys (as panels and as rows) and values
+            _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
+            _steps.pack_rows(k, batch_k, hk, k_start + kb, cols, k_rows, half_kind)
+            _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+
+            # -- S and dP, as in the key pass
+            at = (seq, h, q0, kb, diag0, batch_q, state)
+            if pairs:
+                _pairs.pack_panel_pairs(k, batch_k, hk, k_start + kb, cols, k_panel_pairs)
+                _pairs.pack_panel_pairs(v, batch_k, hk, k_start + kb, cols, v_panel_pairs)
+                _pairs.pack_row_pairs(k, batch_k, hk, k_start + kb, cols, k_row_pairs)
+                _scores_and_dp(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp,
+                               chain, rows, cols, at, band, mods, no_pre)
+            else:
+                _scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows,
+                               cols, at, band, mods, no_pre)
+
+            # -- P and dS
+            _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
+                                   lo_off, hi_off, has_chain)
+
+            # -- dQ += dS K (over what each row sees only, as in the key pass)
+            exact = (not inside or _steps.masks_keys(mods, state)) and not (
+                rows_finite and _steps.finite_panels(k_panels, cols)
+                and _steps.finite_panels(v_panels, cols))
+            _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, visible,
+                      at, pairs, ds_pairs, k_row_pairs)
+
+        _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
 
 
 def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, block_k,
@@ -373,12 +401,20 @@ def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods
 
 
 @jit
-def _pair_scores(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, scores, dp, chain, rows, cols,
-                 at, band, mods):
-    """S (the score pipeline) and dP = dO V^T of a query tile as bfloat16 dot products."""
-    _steps.score_tile(q_pairs, k_panel_pairs, scores, chain, rows, cols, at, band, mods,
-                      scores[:0])
-    _steps.any_qk_tile(do_pairs, v_panel_pairs, dp, rows, cols, 1.0, band[1], band[2])
+def _scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows, cols, at, band,
+                   mods, pre):
+    """S (the score pipeline: `_steps.score_tile`) and dP = dO V^T of a query tile, as floats
+    or as bfloat16 dot products (`_pairs`)."""
+    _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
+    _steps.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
+
+
+@jit
+def _band_scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows, cols, at,
+                        band, mods, pre):
+    """`_scores_and_dp` of a call with no modifier but its band (`fa2_backward_plain`)."""
+    _steps.band_scores(q_tile, k_panels, scores, rows, cols, mods[0], at[4] - at[3], band)
+    _steps.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
 
 
 @jit
@@ -456,6 +492,12 @@ def _signature(key):
 
 
 fa2_backward = Kernel(_fa2_backward, _signature, "attention backward")
+fa2_backward_plain = Kernel(
+    variant(_fa2_backward, "_plain", **{
+        name: jit(variant(step.py_func, "_plain", PLAIN=True,
+                          _scores_and_dp=_band_scores_and_dp))
+        for name, step in (("_key_pass", _key_pass), ("_query_pass", _query_pass))}),
+    _signature, "attention backward")
 
 
 def _grads_signature(key):

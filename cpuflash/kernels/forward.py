@@ -21,143 +21,167 @@ Per-sequence operands (ALiBi slopes, the rows of bias and mask) are indexed by `
 import numpy as np
 from numba import prange, types
 
-from .._jit import Kernel, array
+from .._jit import Kernel, array, jit, variant
 from . import _pairs, _steps, _user
+
+# True in `fa2_forward_plain`'s copies of the functions below (`_jit.variant`), for calls with
+# no modifier but a causal mask or a window: Numba then compiles none of the others' branches
+PLAIN = False
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
                  half_kind, modifiers):
-    d = q.shape[3]
-    dv = v.shape[3]
-    group = q.shape[1] // k.shape[1]
-    cdtype = lse.dtype
     # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
-    # together again in the loop, as `mods`)
+    # together again in the loop, as `mods`. The loop's body is a function of its own: Numba
+    # types a parallel loop's body twice, and runs its passes over it, where it is written)
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
     fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_sinks = sinks.shape[0] > 0
-    no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
         user = (fns, score_args, mask_args, states, state_q, state_k, positions)
         mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
                 user)
-        # -- thread-local tile state, allocated once per chunk of work items
-        q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
-        row_max = np.empty(block_q, dtype=cdtype)
-        row_sum = np.empty(block_q, dtype=cdtype)
-        alpha = np.empty(block_q, dtype=cdtype)
-        # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
-        q_pairs, k_pairs, v_pairs, p_pairs = _pairs.pair_buffers(block_q, block_k, d, dv, q, lse,
-                                                                 half_kind)
-        pairs = q_pairs.shape[0] > 0
-        # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
-        seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
+        _forward_items(chunk_ptr[chunk], chunk_ptr[chunk + 1], q, k, v, out, lse, seqs, items,
+                       block_q, block_k, key_align, half_kind, mods)
 
-        for item in range(chunk_ptr[chunk], chunk_ptr[chunk + 1]):
-            (seq, h, q0, batch_q, q_start, n_q,
-             batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
-            hk = h // group
-            rows = min(block_q, n_q - q0)
-            # bottom-right alignment: query row i sits over key column i + shift
-            shift = n_k - n_q
-            diag0 = q0 + shift  # key column under the tile's first row
 
-            # -- the keys any row of this tile can see; blocks outside are never visited. Blocks
-            # start at multiples of block_k whatever the tile (key_align = block_k); or, for a
-            # narrow window (`tiling.band_tiles`), the tile's whole band is one block from a
-            # multiple of key_align, which holds each row's whole band.
-            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
+@jit
+def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q, block_k,
+                   key_align, half_kind, mods):
+    """Work items first_item .. end_item - 1 of one thread: the tiles of `_fa2_forward`."""
+    d = q.shape[3]
+    dv = v.shape[3]
+    group = q.shape[1] // k.shape[1]
+    cdtype = lse.dtype
+    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
+    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    has_sinks = sinks.shape[0] > 0
+    no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
+    # -- thread-local tile state, allocated once per chunk of work items
+    q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
+    row_max = np.empty(block_q, dtype=cdtype)
+    row_sum = np.empty(block_q, dtype=cdtype)
+    alpha = np.empty(block_q, dtype=cdtype)
+    # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
+    q_pairs, k_pairs, v_pairs, p_pairs = _pairs.pair_buffers(block_q, block_k, d, dv, q, lse,
+                                                             half_kind)
+    pairs = q_pairs.shape[0] > 0
+    # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
+    seen = np.empty((0, 0) if PLAIN or not _user.has_mask_mod(fns) else (block_q, block_k),
+                    np.bool_)
 
-            if pairs:
-                _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
-            else:
-                _steps.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
-                                         half_kind)
-            row_max[:rows] = -np.inf
-            row_sum[:rows] = 0.0
-            acc[:rows, :] = 0.0
+    for item in range(first_item, end_item):
+        (seq, h, q0, batch_q, q_start, n_q,
+         batch_k, k_start, n_k) = _steps.work_item(items, item, seqs)
+        hk = h // group
+        rows = min(block_q, n_q - q0)
+        # bottom-right alignment: query row i sits over key column i + shift
+        shift = n_k - n_q
+        diag0 = q0 + shift  # key column under the tile's first row
 
-            for kb in range(k_lo, k_hi, block_k):
-                cols = min(block_k, k_hi - kb)
-                # -- a block mask's empty tiles are never visited
-                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
-                if state == _user.EMPTY:
+        # -- the keys any row of this tile can see; blocks outside are never visited. Blocks
+        # start at multiples of block_k whatever the tile (key_align = block_k); or, for a
+        # narrow window (`tiling.band_tiles`), the tile's whole band is one block from a
+        # multiple of key_align, which holds each row's whole band.
+        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
+
+        if pairs:
+            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+        else:
+            _steps.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
+                                     half_kind)
+        row_max[:rows] = -np.inf
+        row_sum[:rows] = 0.0
+        acc[:rows, :] = 0.0
+
+        for kb in range(k_lo, k_hi, block_k):
+            cols = min(block_k, k_hi - kb)
+            # -- a block mask's empty tiles are never visited
+            state = _user.FULL if PLAIN else _user.tile_state(user, batch_q, h, q0, rows, kb,
+                                                              cols)
+            if state == _user.EMPTY:
+                continue
+            # -- the band of this block each row sees (tile columns r + lo_off ..
+            # r + hi_off); blocks inside it need no element masks, and on its edges whole
+            # panels are skipped
+            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+            # -- a partial tile of a `mask_mod`: its answers first, then only the box that
+            # holds every visible pair: the rows below it keep their state (as they would
+            # with every score -inf), the products and P V leave out the key panels beside
+            # it, and a tile no row sees is skipped
+            tile_rows, c_lo, c_hi = rows, 0, cols
+            if not PLAIN and state == _user.PARTIAL and not pairs:
+                tile_rows, c_lo, c_hi = _user.mask_mod_fill(
+                    fns, seen, rows, cols, (lo_off, hi_off),
+                    (batch_q, h, _user.query_index(user, q0, diag0), kb), mask_args)
+                if tile_rows == 0:
                     continue
-                # -- the band of this block each row sees (tile columns r + lo_off ..
-                # r + hi_off); blocks inside it need no element masks, and on its edges whole
-                # panels are skipped
-                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
-                # -- a partial tile of a `mask_mod`: its answers first, then only the box that
-                # holds every visible pair: the rows below it keep their state (as they would
-                # with every score -inf), the products and P V leave out the key panels beside
-                # it, and a tile no row sees is skipped
-                tile_rows, c_lo, c_hi = rows, 0, cols
-                if state == _user.PARTIAL and not pairs:
-                    tile_rows, c_lo, c_hi = _user.mask_mod_fill(
-                        fns, seen, rows, cols, (lo_off, hi_off),
-                        (batch_q, h, _user.query_index(user, q0, diag0), kb), mask_args)
-                    if tile_rows == 0:
-                        continue
 
-                # -- pack the keys and values some row sees (from a whole panel)
-                w = k_panels.shape[2]
-                first = max(0, lo_off, c_lo) // w * w
-                end = min(cols, tile_rows + hi_off, c_hi)
-                if end > first and pairs:
-                    _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
-                                                end - first, k_pairs[first // w:],
-                                                v_pairs[first // 2:])
-                elif end > first:
-                    _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
-                                           k_panels[first // w:], half_kind)
+            # -- pack the keys and values some row sees (from a whole panel)
+            w = k_panels.shape[2]
+            first = max(0, lo_off, c_lo) // w * w
+            end = min(cols, tile_rows + hi_off, c_hi)
+            if end > first and pairs:
+                _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
+                                            end - first, k_pairs[first // w:],
+                                            v_pairs[first // 2:])
+            elif end > first:
+                _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
+                                       k_panels[first // w:], half_kind)
+                _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                                 v_tile[first:], half_kind)
+
+            # -- S = scale * Q K^T and the score modifiers, in the order of the score
+            # pipeline, on each row's band; -inf where a key is hidden (element masks only
+            # in blocks that cross a band edge)
+            at = (seq, h, q0, kb, diag0, batch_q, state)
+            band = (inside, lo_off, hi_off, left, right)
+            if PLAIN and pairs:
+                _steps.band_scores(q_pairs, k_pairs, scores, rows, cols, qk_scale, diag0 - kb,
+                                   band)
+            elif PLAIN:
+                _steps.band_scores(q_tile, k_panels, scores, rows, cols, qk_scale, diag0 - kb,
+                                   band)
+            elif pairs:
+                _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
+                                  mods, no_chain)
+            elif state == _user.PARTIAL:  # (the mask_mod's answers are in `seen`)
+                _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
+                                  _steps.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
+                _steps.modify_tile(scores, no_chain, tile_rows, cols,
+                                   (seq, h, q0, kb, diag0, batch_q, _user.FULL), band, mods,
+                                   no_chain)
+                _steps.hide_unseen(scores, seen, tile_rows, cols, lo_off, hi_off)
+            else:
+                _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
+                                  mods, no_chain)
+
+            # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
+            _steps.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
+                                  hi_off)
+
+            # -- acc = alpha * acc + P V; where some row cannot see every key and a value
+            # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
+            simple = (inside and (PLAIN or not _steps.masks_keys(mods, state))
+                      or end <= first)
+            if pairs and (simple or _pairs.finite_pairs(v_pairs, first // 2,
+                                                        (end + 1) // 2, scores)):
+                _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
+                                     lo_off, hi_off)
+            elif not pairs and (simple or _steps.finite_rows(v_tile, first, end)):
+                _steps.pv_columns(scores, v_tile, acc, alpha, tile_rows, cols, lo_off, hi_off,
+                                  c_lo, c_hi)
+            else:
+                if pairs:  # rare (an inf or NaN value): the exact path on widened values
                     _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                      v_tile[first:], half_kind)
+                _steps.pv_tile_exact(scores, v_tile, acc, alpha, tile_rows, cols, lo_off,
+                                     hi_off, None if PLAIN else mods, at)
 
-                # -- S = scale * Q K^T and the score modifiers, in the order of the score
-                # pipeline, on each row's band; -inf where a key is hidden (element masks only
-                # in blocks that cross a band edge)
-                at = (seq, h, q0, kb, diag0, batch_q, state)
-                band = (inside, lo_off, hi_off, left, right)
-                if pairs:
-                    _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
-                                      mods, no_chain)
-                elif state == _user.PARTIAL:  # (the mask_mod's answers are in `seen`)
-                    _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
-                                      _steps.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
-                    _steps.modify_tile(scores, no_chain, tile_rows, cols,
-                                       (seq, h, q0, kb, diag0, batch_q, _user.FULL), band, mods,
-                                       no_chain)
-                    _steps.hide_unseen(scores, seen, tile_rows, cols, lo_off, hi_off)
-                else:
-                    _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at, band,
-                                      mods, no_chain)
-
-                # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
-                _steps.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
-                                      hi_off)
-
-                # -- acc = alpha * acc + P V; where some row cannot see every key and a value
-                # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
-                simple = (inside and not _steps.masks_keys(mods, state)) or end <= first
-                if pairs and (simple or _pairs.finite_pairs(v_pairs, first // 2,
-                                                            (end + 1) // 2, scores)):
-                    _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
-                                         lo_off, hi_off)
-                elif not pairs and (simple or _steps.finite_rows(v_tile, first, end)):
-                    _steps.pv_columns(scores, v_tile, acc, alpha, tile_rows, cols, lo_off, hi_off,
-                                      c_lo, c_hi)
-                else:
-                    if pairs:  # rare (an inf or NaN value): the exact path on widened values
-                        _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
-                                         v_tile[first:], half_kind)
-                    _steps.pv_tile_exact(scores, v_tile, acc, alpha, tile_rows, cols, lo_off,
-                                         hi_off, mods, at)
-
-            # -- normalize once, write each output row once
-            sink = sinks[h] if has_sinks else -np.inf
-            _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
-                               q_start + q0, half_kind)
+        # -- normalize once, write each output row once
+        sink = sinks[h] if not PLAIN and has_sinks else -np.inf
+        _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
+                           q_start + q0, half_kind)
 
 
 def _signature(key):
@@ -171,3 +195,7 @@ def _signature(key):
 
 
 fa2_forward = Kernel(_fa2_forward, _signature, "attention")
+fa2_forward_plain = Kernel(
+    variant(_fa2_forward, "_plain",
+            _forward_items=jit(variant(_forward_items.py_func, "_plain", PLAIN=True))),
+    _signature, "attention")
