@@ -184,7 +184,9 @@ def _warmup_calls(name):
     if name in WARMUP_CACHE_FORMATS:
         q = np.zeros((1, 1, 1, 8), np.float32)
         cache = cpuflash.quantize_kv(np.zeros((1, 1, 4, 8), np.float32), name)
-        return [("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(q, cache, cache))]
+        return [("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(q, cache, cache)),
+                ("decoding modified",
+                 lambda: cpuflash.attention_with_kvcache(q, cache, cache, softcap=30.0))]
     try:
         dtype = np.dtype(name)
     except TypeError:
@@ -195,14 +197,16 @@ def _warmup_calls(name):
         dtype = np.dtype(ml_dtypes.bfloat16)
     x = np.zeros((1, 1, 4, 8), dtype)
     lse = np.zeros(x.shape[:-1], np.float64 if dtype == np.float64 else np.float32)
-    # a call with no modifier but a causal mask or a window runs a kernel of its own
-    # (`kernels.forward.fa2_forward_plain`), any other call the general one
+    # a call with no modifier but a causal mask or a window runs kernels of its own
+    # (`kernels.forward.PLAIN`), any other call the general ones
     return [("attention", lambda: cpuflash.attention(x, x, x)),
             ("attention modified", lambda: cpuflash.attention(x, x, x, softcap=30.0)),
             ("attention backward", lambda: cpuflash.attention_backward(x, x, x, x, x, lse)),
             ("backward modified",
              lambda: cpuflash.attention_backward(x, x, x, x, x, lse, softcap=30.0)),
-            ("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x))]
+            ("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x)),
+            ("decoding modified",
+             lambda: cpuflash.attention_with_kvcache(x[:, :, :1], x, x, softcap=30.0))]
 
 
 def _warmup(arguments):

@@ -6,7 +6,7 @@ from numba.np.ufunc import parallel as _numba_parallel
 
 from . import _backward, _combine, _kvcache, _plans, _quantize, _schedule, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
-from .kernels.decode import decode
+from .kernels.decode import decode, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
 
 
@@ -383,6 +383,7 @@ class _Decode:
         self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
         self.half_kind = call.half_kind
         self.mods, self.user_type = call.modifiers(), call.kernel_key()[2]  # the score pipeline
+        self.kernel = decode_plain if call.plain() else decode  # (`kernels.decode.PLAIN`)
         self.sinks = call.sinks  # (also in `mods`: the merge adds them)
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
@@ -569,7 +570,7 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = decode.specialize((k.dtype, setup.compute_dtype, q.dtype, setup.user_type))
+    kernel = setup.kernel.specialize((k.dtype, setup.compute_dtype, q.dtype, setup.user_type))
     kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
            plan.block_k, setup.half_kind, setup.mods, part_out, part_lse, n_threads)
     if plan.n_splits > 1:

@@ -42,7 +42,8 @@ MODIFIED_CALLS = """
     x = np.random.default_rng(0).standard_normal((1, 2, 50, 24)).astype(np.float32)
     out, lse = cpuflash.attention(x, x, x, softcap=20.0, return_lse=True)
     grads = cpuflash.attention_backward(x, x, x, out, out, lse, softcap=20.0)
-    print("finite", bool(np.isfinite(out).all() and np.isfinite(grads[0]).all()))
+    step = cpuflash.attention_with_kvcache(x[:, :, :1], x, x, softcap=20.0)
+    print("finite", all(bool(np.isfinite(a).all()) for a in (out, grads[0], step)))
 """
 
 
@@ -125,6 +126,7 @@ def test_warmup_compiles_the_8_bit_cache_decoding_that_a_later_process_loads(tmp
                             timeout=600)
     assert warmup.returncode == 0, explain(warmup)
     assert "int8      KV-cache decoding" in warmup.stdout, explain(warmup)
+    assert "int8      decoding modified" in warmup.stdout, explain(warmup)
     assert notices(warmup.stderr) == [], explain(warmup)
     later = run_python(INT8_DECODE, env=env, cwd=str(tmp_path), timeout=600)
     assert later.returncode == 0 and "finite True" in later.stdout, explain(later)

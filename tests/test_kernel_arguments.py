@@ -40,6 +40,7 @@ EVERY_ROUTE = """
     cpuflash.attention_with_kvcache(q[:, :, :1], long, long, num_splits=3)
     kq, vq = cpuflash.quantize_kv(k), cpuflash.quantize_kv(v)
     cpuflash.attention_with_kvcache(q[:, :, :1], kq, vq, cache_seqlens=30)
+    cpuflash.attention_with_kvcache(q[:, :, :1], kq, vq, cache_seqlens=30, softcap=20.0)
 
     # -- your own functions, with the gradients of their arguments
     def bias(score, b, h, q_idx, kv_idx, table):
@@ -56,7 +57,7 @@ EVERY_ROUTE = """
 
     kernels = (forward.fa2_forward, forward.fa2_forward_plain, backward.fa2_backward,
                backward.fa2_backward_plain, backward.score_arg_grads, decode.decode,
-               fa1.fa1_forward, _combine._merge_kernel)
+               decode.decode_plain, fa1.fa1_forward, _combine._merge_kernel)
     print("not called", [kernel.name for kernel in kernels if not kernel._calls])
     print("checked", all(isinstance(c, numba.core.registry.CPUDispatcher)
                          for kernel in kernels for c in kernel._calls.values()))

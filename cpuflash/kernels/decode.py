@@ -40,7 +40,7 @@ from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
 from .. import _jit
-from .._jit import STRICT_OPTIONS, Kernel, array, jit
+from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
 from . import _steps, _user
 from ._convert import load_widened, row_offset, unit, vector_rows, widen
@@ -65,11 +65,16 @@ SERIAL_WORK = 1 << 17
 # The helpers below only read and write arrays that their caller holds, so they are compiled
 # without reference counting (`jit_borrowing`): with it, the atomic counts of the arrays passed
 # from call to call took half the time of a short item (64 keys). `_finish_rows` is
-# `_steps.finish_rows` compiled so, and `_modify_rows` `_steps.modify_tile` (the same code; its
-# own cache entry would collide with the counted one, and it is compiled into the cached kernel
-# anyway).
+# `_steps.finish_rows` compiled so, `_modify_rows` `_steps.modify_tile` and `_band_rows`
+# `_steps.band_mask_tile` (the same code; their own cache entries would collide with the counted
+# ones, and they are compiled into the cached kernel anyway).
 _finish_rows = jit_borrowing(_steps.finish_rows.py_func, cache=False)
 _modify_rows = jit_borrowing(_steps.modify_tile.py_func, cache=False)
+_band_rows = jit_borrowing(_steps.band_mask_tile.py_func, cache=False)
+
+# True in `decode_plain`'s copy of `_decode_items` (`_jit.variant`), for calls with no modifier
+# but a causal mask or a window: Numba then compiles none of the others' branches
+PLAIN = False
 
 
 def line_elements(arr):
@@ -163,8 +168,10 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     n_splits = part_out.shape[0]
     left, right, user = mods[2], mods[3], mods[10]
     s_mult = _steps.product_scale(mods)
-    modified = _steps.modifies(mods)  # else only the window's edges change a block
-    masked = mods[7].shape[0] > 0 or _user.has_mask_mod(user[0])  # some key may be hidden
+    modified = False if PLAIN else _steps.modifies(mods)  # else only the window's edges do
+    # some key may be hidden (and what `_steps.key_visible` then reads)
+    masked = False if PLAIN else (mods[7].shape[0] > 0 or _user.has_mask_mod(user[0]))
+    visible = None if PLAIN else mods
 
     q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
     no_chain = scores[:0]  # decoding needs no score derivatives
@@ -230,10 +237,16 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
             band = (inside, -_steps.UNBOUNDED, _steps.UNBOUNDED, left, right)
             # (no KV-cache call has a block mask: the state is every head's)
-            state = _user.PARTIAL if _user.has_mask_mod(user[0]) else _user.FULL
+            state = (_user.FULL if PLAIN or not _user.has_mask_mod(user[0])
+                     else _user.PARTIAL)
             for g in range(group if modified or not inside else 0):
                 at = (b, hk * group + g, 0, kb, shift, b, state)
-                _modify_rows(scores[g * n_q:], no_chain, n_q, cols, at, band, mods, no_chain)
+                if PLAIN:  # (what `_modify_rows` does for such a call)
+                    _band_rows(scores[g * n_q:], n_q, cols, shift - kb, left, right,
+                               *everything)
+                else:
+                    _modify_rows(scores[g * n_q:], no_chain, n_q, cols, at, band, mods,
+                                 no_chain)
 
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
@@ -241,7 +254,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
                 _scale_columns(scores, rows, cols, v_scale, unit(v_cache), block_table, b, hk, kb,
                                page_size, True)
-            seen = (not inside or masked, n_q, shift - kb, mods,
+            seen = (not inside or masked, n_q, shift - kb, (left, right), visible,
                     (b, hk * group, 0, kb, shift, b, state))
             if direct:
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
@@ -633,10 +646,11 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
     """acc = alpha * acc + P V over the value rows given as `runs` (see `_dot_rows`), their
     first `width` elements, a whole number of vectors; the rest of `acc` is left as it is.
 
-    `seen` = (hidden, n_q, offset, mods, at): `hidden` when some row may not see some key of
-    the block (the window, or a mask of `mods`); row r's diagonal is block column
-    r % n_q + offset, and `at` places the block as `_steps.modify_tile` takes it, for the
-    group's first head (row r's is ``at[1] + r // n_q``). Where a row cannot see
+    `seen` = (hidden, n_q, offset, window, mods, at): `hidden` when some row may not see some
+    key of the block (the window ``(left, right)``, or a mask of `mods`, which is None where
+    there is none); row r's diagonal is block column r % n_q + offset, and `at` places the
+    block as `_steps.modify_tile` takes it, for the group's first head (row r's is
+    ``at[1] + r // n_q``). Where a row cannot see
     every key and a value row is inf or NaN, the rows go one by one over what each sees: the
     group sums would give that row 0 * inf = NaN.
 
@@ -690,9 +704,8 @@ def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen
     in the same order for finite values, less the terms of the keys it cannot see."""
     n, sw = _steps.lanes(acc), scores.shape[1]
     run_cols, starts, n_runs, step = runs
-    _, n_q, offset, mods, at = seen
+    _, n_q, offset, (left, right), mods, at = seen
     seq, h0, q0, kb, diag0, b, state = at
-    left, right = mods[2], mods[3]
     for r in range(rows):
         diag = r % n_q + offset
         first = diag - left if left >= 0 else -_steps.UNBOUNDED
@@ -837,3 +850,7 @@ def _signature(key):
 
 
 decode = Kernel(_decode, _signature, "KV-cache decoding")
+decode_plain = Kernel(
+    variant(_decode, "_plain",
+            _decode_items=jit_borrowing(variant(_decode_items.py_func, "_plain", PLAIN=True))),
+    _signature, "KV-cache decoding")
