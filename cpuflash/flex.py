@@ -11,6 +11,7 @@ values they read (`_digest`): a kernel compiled for them is cached on disk under
 the same function in a new process loads it, and an edited one compiles its own.
 """
 
+import dis
 import hashlib
 import numbers
 import threading
@@ -92,6 +93,34 @@ def _digest(function, seen=None):
     return digest.hexdigest()
 
 
+_RAISES = {"RAISE_VARARGS", "RERAISE"}  # the opcodes of `raise` and `assert`
+
+
+def _raising(function, seen=None):
+    """The name of `function`, or of a function it calls, whose code has a `raise` or an
+    `assert`; None when none has."""
+    seen = set() if seen is None else seen
+    if isinstance(function, CPUDispatcher):
+        function = function.py_func
+    if not isinstance(function, pytypes.FunctionType) or id(function) in seen:
+        return None
+    seen.add(id(function))
+    codes = [function.__code__]
+    for code in codes:
+        if any(op.opname in _RAISES for op in dis.get_instructions(code)):
+            return function.__qualname__
+        codes += [const for const in code.co_consts if isinstance(const, pytypes.CodeType)]
+        for name in code.co_names:
+            culprit = _raising(function.__globals__.get(name), seen)
+            if culprit is not None:
+                return culprit
+    for cell in function.__closure__ or ():
+        culprit = _raising(cell.cell_contents, seen)
+        if culprit is not None:
+            return culprit
+    return None
+
+
 def _user_function(role, function):
     """(digest, jitted function) of a user function given as `role` ("score_mod", ...)."""
     if isinstance(function, CPUDispatcher):
@@ -102,6 +131,15 @@ def _user_function(role, function):
     with _lock:
         known = _compiled.get((role, function))
         if known is None:
+            # an exception raised on a worker thread of a kernel's parallel loop is lost (the
+            # call returns as if nothing happened), on the calling thread it comes back as a
+            # SystemError: no function that can raise runs in a kernel
+            culprit = _raising(function)
+            if culprit is not None:
+                _fail(TypeError, f"`{role}` ({function.__qualname__}) must not raise: "
+                                 f"{culprit} has a `raise` or an `assert`, and an exception "
+                                 "cannot leave the kernels' parallel loops; return -inf (a "
+                                 "score) or False (a mask) instead")
             options = _user_options()
             jitted = numba.njit(**options)(function)
             described = sorted((name, sorted(value) if isinstance(value, set) else value)

@@ -280,6 +280,39 @@ def test_a_function_numba_cannot_compile_is_named(case):
         cpuflash.flex_attention(q, k, v, score_mod=calls_python)
 
 
+def test_a_function_that_can_raise_is_refused_before_any_work(case):
+    """An exception cannot leave a parallel kernel: on a worker thread it was lost (the call
+    returned, its output wrong), on the calling thread it came back as a SystemError."""
+    q, k, v, _, _ = case
+
+    def far(score, b, h, q_idx, kv_idx):
+        if q_idx - kv_idx > 5:
+            raise ValueError("too far")
+        return score
+
+    def checked(b, h, q_idx, kv_idx):
+        assert q_idx >= 0
+        return kv_idx <= q_idx
+
+    @numba.njit
+    def helper(h):
+        if h > 1:
+            raise IndexError(h)
+        return h
+
+    def calls_a_raising_helper(score, b, h, q_idx, kv_idx):
+        return score + helper(h)
+
+    out = np.full(q.shape, 7.0, q.dtype)
+    with pytest.raises(TypeError, match=r"`score_mod` \(.*far\) must not raise"):
+        cpuflash.flex_attention(q, k, v, score_mod=far, out=out)
+    assert (out == 7.0).all()
+    with pytest.raises(TypeError, match=r"`mask_mod` \(.*checked\) must not raise"):
+        cpuflash.flex_attention(q, k, v, mask_mod=checked)
+    with pytest.raises(TypeError, match="must not raise: .*helper has a `raise`"):
+        cpuflash.flex_attention(q, k, v, score_mod=calls_a_raising_helper)
+
+
 def test_mask_mod_must_return_a_bool(case):
     q, k, v, _, _ = case
 
