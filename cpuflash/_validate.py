@@ -363,8 +363,8 @@ class AttentionCall:
                 self.bias_map, self.mask, self.mask_map, self.sinks, self.user)
 
     def plain(self):
-        """Whether the call has no modifier but a causal mask or a window: the forward then
-        runs a kernel compiled without the others (`kernels.forward.fa2_forward_plain`)."""
+        """Whether the call has no modifier but a causal mask or a window: its kernels are then
+        builds compiled without the others' steps (`kernels.forward.PLAIN`)."""
         return (self.softcap == 0 and self.alibi.shape[1] == 0 and self.bias.shape[0] == 0
                 and self.mask.shape[0] == 0 and self.sinks.shape[0] == 0
                 and self.user is NO_USER_FUNCTIONS)
