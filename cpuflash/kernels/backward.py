@@ -105,7 +105,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
     fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_chain = False if PLAIN else (softcap > 0 or _user.has_score_mod(fns))
+    has_chain = softcap > 0 or _user.has_score_mod(fns)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
@@ -240,7 +240,7 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
     qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
     fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_chain = False if PLAIN else (softcap > 0 or _user.has_score_mod(fns))
+    has_chain = softcap > 0 or _user.has_score_mod(fns)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(

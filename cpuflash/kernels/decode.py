@@ -168,10 +168,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     n_splits = part_out.shape[0]
     left, right, user = mods[2], mods[3], mods[10]
     s_mult = _steps.product_scale(mods)
-    modified = False if PLAIN else _steps.modifies(mods)  # else only the window's edges do
-    # some key may be hidden (and what `_steps.key_visible` then reads)
-    masked = False if PLAIN else (mods[7].shape[0] > 0 or _user.has_mask_mod(user[0]))
-    visible = None if PLAIN else mods
+    modified = _steps.modifies(mods)  # else only the window's edges change a block
+    masked = mods[7].shape[0] > 0 or _user.has_mask_mod(user[0])  # some key may be hidden
+    visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the window
 
     q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
     no_chain = scores[:0]  # decoding needs no score derivatives
@@ -237,8 +236,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
             band = (inside, -_steps.UNBOUNDED, _steps.UNBOUNDED, left, right)
             # (no KV-cache call has a block mask: the state is every head's)
-            state = (_user.FULL if PLAIN or not _user.has_mask_mod(user[0])
-                     else _user.PARTIAL)
+            state = _user.PARTIAL if _user.has_mask_mod(user[0]) else _user.FULL
             for g in range(group if modified or not inside else 0):
                 at = (b, hk * group + g, 0, kb, shift, b, state)
                 if PLAIN:  # (what `_modify_rows` does for such a call)

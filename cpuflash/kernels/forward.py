@@ -67,8 +67,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                                              half_kind)
     pairs = q_pairs.shape[0] > 0
     # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
-    seen = np.empty((0, 0) if PLAIN or not _user.has_mask_mod(fns) else (block_q, block_k),
-                    np.bool_)
+    seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
 
     for item in range(first_item, end_item):
         (seq, h, q0, batch_q, q_start, n_q,
@@ -162,8 +161,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
 
             # -- acc = alpha * acc + P V; where some row cannot see every key and a value
             # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
-            simple = (inside and (PLAIN or not _steps.masks_keys(mods, state))
-                      or end <= first)
+            simple = (inside and not _steps.masks_keys(mods, state)) or end <= first
             if pairs and (simple or _pairs.finite_pairs(v_pairs, first // 2,
                                                         (end + 1) // 2, scores)):
                 _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
@@ -179,7 +177,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                      hi_off, None if PLAIN else mods, at)
 
         # -- normalize once, write each output row once
-        sink = sinks[h] if not PLAIN and has_sinks else -np.inf
+        sink = sinks[h] if has_sinks else -np.inf
         _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
                            q_start + q0, half_kind)
 
