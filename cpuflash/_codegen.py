@@ -38,9 +38,9 @@ except ImportError:  # pragma: no cover - every Numba release cpuflash supports 
 _Library = numba_codegen.JITCodeLibrary
 _NEEDED = [(_Library, name) for name in (
     "finalize", "get_pointer_to_function", "serialize_using_object_code", "_unserialize",
-    "_finalize_final_module", "_optimize_final_module", "_get_module_for_linking",
-    "_raise_if_finalized")] + [(numba_codegen.JITCPUCodegen, name) for name in (
-        "set_env", "_check_llvm_bugs", "_library_class")]
+    "_finalize_final_module", "_optimize_final_module", "_optimize_functions",
+    "_get_module_for_linking", "_raise_if_finalized")] + [(numba_codegen.JITCPUCodegen, name) for name in (
+        "set_env", "_check_llvm_bugs", "_library_class", "_function_pass_manager")]
 # the Numba releases whose finalize, linking and caching this was checked against; another
 # release compiles the usual way until it is checked too
 CHECKED_RELEASES = ((0, 68),)
@@ -85,6 +85,21 @@ class DeferredLibrary(_Library):
                 self._final_module.link_in(library._get_module_for_linking(), preserve=True)
         self._pending = True
         self._finalized = True
+
+    def _optimize_functions(self, ll_module):
+        # Numba's, with one pass manager for all of a module's functions, not one each
+        ll_module.data_layout = self._codegen._data_layout
+        passes, builder = self._codegen._function_pass_manager()
+        for function in ll_module.functions:
+            passes.run(function, builder)
+
+    def _optimize_functions(self, ll_module):
+        """Numba's function passes, run with one pass manager for all of the module's functions
+        instead of a new one for each (the same passes: the same code)."""
+        ll_module.data_layout = self._codegen._data_layout
+        passes, builder = self._codegen._function_pass_manager()
+        for function in ll_module.functions:
+            passes.run(function, builder)
 
     def _emit(self):
         """Optimize the linked module and turn it into machine code (what `finalize` left)."""
