@@ -4,7 +4,8 @@ import numba
 import numpy as np
 from numba.np.ufunc import parallel as _numba_parallel
 
-from . import _backward, _combine, _kvcache, _plans, _quantize, _schedule, _validate, tiling
+from . import (_backward, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate,
+               tiling)
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
@@ -384,6 +385,9 @@ class _Decode:
         self.half_kind = call.half_kind
         self.mods, self.user_type = call.modifiers(), call.kernel_key()[2]  # the score pipeline
         self.kernel = decode_plain if call.plain() else decode  # (`kernels.decode.PLAIN`)
+        # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
+        # microsecond of a short call)
+        self.call = None
         self.sinks = call.sinks  # (also in `mods`: the merge adds them)
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
@@ -467,7 +471,8 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     check fails: the full path then raises the error. `k`, `v`: the cache arrays (a quantized
     cache's 8-bit data, its (k, v) scales in `scales`)."""
     arrays = (k, v) if scales is None else (k, v) + tuple(scales)
-    if not (q.flags.aligned and all(x.flags.aligned for x in arrays)):
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned
+            and (scales is None or all(x.flags.aligned for x in scales))):
         return None  # the full path copies them
     if new_k is not None and not all(x.flags.writeable for x in arrays):
         return None
@@ -570,7 +575,10 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = setup.kernel.specialize((k.dtype, setup.compute_dtype, q.dtype, setup.user_type))
+    kernel = setup.call
+    if kernel is None or _threads.FORKED_AFTER_OPENMP:
+        kernel = setup.call = setup.kernel.specialize((k.dtype, setup.compute_dtype, q.dtype,
+                                                       setup.user_type))
     kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
            plan.block_k, setup.half_kind, setup.mods, part_out, part_lse, n_threads)
     if plan.n_splits > 1:
