@@ -399,6 +399,17 @@ class _Decode:
             self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
             self.page_rows = n_max
         self.full_keys = None
+        self._lengths = (None, None)  # (n, `lengths(n)`) of the last call
+
+    def lengths(self, n_k):
+        """Each batch entry's key count, `n_k` for all, as the kernel reads them (read-only).
+        The last one is kept: a model's layers all ask for the length of the same step."""
+        last = self._lengths
+        if last[0] != n_k:
+            n_keys = np.full(self.batch, n_k, dtype=np.int64)
+            n_keys.flags.writeable = False
+            self._lengths = last = (n_k, n_keys)
+        return last[1]
 
     def frozen(self):
         """This setup with its arrays read-only, and the lengths of a full cache, to share."""
@@ -488,14 +499,14 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
             if n_k == 0 or v.shape[axis] != n_k:
                 return None  # the full path: no keys, or a mismatch it names
             if n_k != setup.n_max:
-                n_keys = np.full(setup.batch, n_k, dtype=np.int64)
+                n_keys = setup.lengths(n_k)
                 page_rows = n_k
     elif cache_seqlens.__class__ is int:
         if not 0 <= cache_seqlens <= room:
             return None
         starts = [cache_seqlens] * setup.batch
         n_k = cache_seqlens + setup.n_new
-        n_keys = np.full(setup.batch, n_k, dtype=np.int64)
+        n_keys = setup.lengths(n_k)
     else:
         if cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (setup.batch,):
             return None
