@@ -170,10 +170,17 @@ def pack_key_panels(k, b, h, start, cols, k_panels, half_kind):
         panel, lane = c // w, c % w
         for x in range(d):
             k_panels[panel, x, lane] = widen(k[b, h, start + c, x], half_kind)
+    # zero the tail of a partial last panel: in each dim's row of it, the lanes past the keys
     last = (cols - 1) // w
-    for lane in range(cols - last * w, w):  # zero the tail of a partial last panel
+    tail = cols - last * w
+    if tail < w:
+        whole = round_up(tail, n)  # whole vectors from here on
+        zeros = vzeros(k_panels)
         for x in range(d):
-            k_panels[last, x, lane] = 0.0
+            for lane in range(tail, whole):
+                k_panels[last, x, lane] = 0.0
+            for lane in range(whole, w, n):
+                vstore(k_panels, (last * d + x) * w + lane, zeros)
 
 
 @jit
