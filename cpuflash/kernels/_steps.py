@@ -500,27 +500,37 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
     sw = scores.shape[1]
     width = round_up(cols, n)
     full_groups = rows - rows % ROWS
+    # Three loops over the rows: block maxes (into alpha), new maxes and alpha, then P and
+    # the sums. Each row's work is a chain of dependent steps (the maxes' shuffle tree, the
+    # exponential, the sum's tree); in short loops the core runs several rows' chains at once
+    # (a step 1.3x faster at 16-128 keys, Zen 4)
     for r in range(rows):
         for c in range(cols, width):
             scores[r, c] = -np.inf
-        base = r * sw
         first, end = row_span(r, cols, lo_off, hi_off, n)  # the vectors covering its band
+        top = vsplat(-np.inf, scores)
+        for c in range(first, end, n):
+            top = vmax(top, vload(scores, r * sw + c))
+        alpha[r] = vhmax(top)
+    for r in range(rows):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        m = row_max[r]
         if first >= end:  # sees nothing here: the max stays, alpha as the general case has it
-            m = row_max[r]
             alpha[r] = 0.0 if m == -np.inf else m - m + 1.0  # 1, or NaN for a NaN/inf max
+        else:
+            block_max = alpha[r]
+            new_max = block_max if block_max > m or block_max != block_max else m
+            alpha[r] = math.exp2((m - (new_max if new_max != -np.inf else 0.0)) * LOG2E)
+            row_max[r] = new_max
+    for r in range(rows):
+        base = r * sw
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        if first >= end:
             row_sum[r] = row_sum[r] * alpha[r]
         else:
-            top = vsplat(-np.inf, scores)
-            for c in range(first, end, n):
-                top = vmax(top, vload(scores, base + c))
-            block_max = vhmax(top)
-            new_max = (block_max if block_max > row_max[r] or block_max != block_max
-                       else row_max[r])
-            shift = new_max if new_max != -np.inf else 0.0
-            alpha[r] = math.exp2((row_max[r] - shift) * LOG2E)
+            m = row_max[r]
             row_sum[r] = row_sum[r] * alpha[r] + _exp_span(scores, base + first, base + end,
-                                                           shift)
-            row_max[r] = new_max
+                                                           m if m != -np.inf else 0.0)
         # zeros where the row's group reads keys this row cannot see (pv_tile's key range), in
         # whole vectors: `first` and `end` are multiples of n, and past the group's range no
         # one reads this row's scores
