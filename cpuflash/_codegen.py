@@ -87,13 +87,6 @@ class DeferredLibrary(_Library):
         self._finalized = True
 
     def _optimize_functions(self, ll_module):
-        # Numba's, with one pass manager for all of a module's functions, not one each
-        ll_module.data_layout = self._codegen._data_layout
-        passes, builder = self._codegen._function_pass_manager()
-        for function in ll_module.functions:
-            passes.run(function, builder)
-
-    def _optimize_functions(self, ll_module):
         """Numba's function passes, run with one pass manager for all of the module's functions
         instead of a new one for each (the same passes: the same code)."""
         ll_module.data_layout = self._codegen._data_layout
