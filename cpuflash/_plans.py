@@ -2,17 +2,21 @@
 
 A decoding step calls cpuflash once per layer (30 calls with the same shapes per token), and for
 a few hundred cached keys checking the arguments and choosing the plan from scratch costs more
-than the kernel's work. So once a call has passed every check, what those checks and choices
-derived from everything that stays the same from call to call (shapes, dtypes, the options and
-their types, so that ``True`` never stands in for ``1``) is stored under a key of exactly those
-things; the next call with the same key skips to the kernel. What can fail for the same shapes
-(the values of `cache_seqlens`, the alignment of the arrays) is checked on every call, and a call
-that does not fit a stored entry takes the full path, so errors are raised as they always were.
+than the kernel's work; the layers of a small model (or a short prompt) call the forward the
+same way, and there the checks cost 14 of a call's 40 us. So once a call has passed every check,
+what those checks and choices derived from everything that stays the same from call to call
+(shapes, dtypes, the options and their types, so that ``True`` never stands in for ``1``) is
+stored under a key of exactly those things; the next call with the same key skips to the kernel.
+What can fail for the same shapes (the values of `cache_seqlens`, the alignment of the arrays,
+an `out` that overlaps an input) is checked on every call, and a call that does not fit a stored
+entry takes the full path, so errors are raised as they always were.
 
-Entries are never changed once stored and their arrays are read-only, so Python threads share
-them without a lock (a dict's get and set are atomic); the table is bounded, oldest entries
-leaving first. A child process forked after entries were stored inherits them, and they hold
-there too (the same shapes decide the same things).
+An entry keeps no array of the calls, and its own arrays are read-only. Once stored it changes
+only where it remembers what later calls worked out (its compiled kernel, the key counts of the
+last cache length), each a whole value replaced at once. So Python threads share the entries
+without a lock (a dict's get and set are atomic); the table is bounded, oldest entries leaving
+first. A child process forked after entries were stored inherits them, and they hold there too
+(the same shapes decide the same things).
 """
 
 import numpy as np

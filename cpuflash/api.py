@@ -1,5 +1,7 @@
 """Public entry points: argument handling and docstrings, no math."""
 
+import copy
+
 import numba
 import numpy as np
 from numba.np.ufunc import parallel as _numba_parallel
@@ -84,13 +86,17 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     it is read like any other.
     """
     key = None
-    if (alibi_slopes is None and bias is None and mask is None and sinks is None and out is None
+    if (alibi_slopes is None and bias is None and mask is None and sinks is None
             and tiles is None):
         q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
         key = _decode_key("attention", q, k, v, None, causal, scale, window, softcap, layout, 0,
                           return_lse)
         setup = _plans.get(key)
-        if setup is not None:
+        if setup.__class__ is _Forward:
+            result = _forward_again(setup, q, k, v, out, return_lse)
+            if result is not None:
+                return result
+        elif setup is not None and out is None:
             result = _decode_again(setup, q, k, v, None, return_lse)
             if result is not None:
                 return result
@@ -107,27 +113,82 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         # splits that no thread count changes (the results must not depend on it). Calls of a
         # few rows keep the FA-2 kernel, which `python -m cpuflash warmup` compiles with one.
         setup = _Decode(call, layout, call.n_k, _ATTENTION_SPLIT_THREADS)
-        if key is not None and q.ndim == 4:
+        if key is not None and q.ndim == 4 and out is None:
             _plans.put(key, setup.frozen())
         n_keys = np.full(call.batch, call.n_k, dtype=np.int64)
         _decode(setup, call.q, call.k, call.v, n_keys, call.n_k, call.out_bhsd, call.lse,
                 call.sinks)
     else:
-        _run_forward(call, _schedule.sequence_table(call.n_q, call.n_k, call.batch))
+        seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+        if key is not None and q.ndim == 4 and call.copy_back is None:
+            _plans.put(key, _Forward(call, layout, seqs))
+        _run_forward(call, seqs)
     return call.result(return_lse)
 
 
-def _run_forward(call, seqs):
-    """Choose tiles, deal the work items to threads and run the FA-2 kernel."""
-    n_threads = numba.get_num_threads()
+class _Forward:
+    """What a repeated FA-2 forward call needs besides its arrays: the checked call of an
+    earlier one with the same key (`_decode_key`), and its sequence table. (A call's arrays
+    are passed to `_run_forward` beside it: a copy of it with them would cost 5.7 us, a third
+    of the checks skipped.)"""
+
+    def __init__(self, call, layout, seqs):
+        self.layout = layout
+        self.n_k = call.n_k  # (not in the key, which leaves out the keys' axis)
+        self.dtype = call.dtype
+        self.out_shape = call.out_user.shape
+        self.lse_rows = call.lse.shape
+        seqs.flags.writeable = False
+        self.seqs = seqs
+        # the call without its arrays, which are not kept alive (the kernels' key reads q's
+        # dtype from an empty one)
+        self.call = copy.copy(call)
+        self.call.q = np.empty((0, 0, 0, 0), dtype=call.q.dtype)
+        self.call.k = self.call.v = self.call.out_user = self.call.out_bhsd = None
+        self.call.out_kernel = self.call.lse = None
+        for array in (call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
+                      call.sinks):  # (the empty operands of a call without them: shared)
+            array.flags.writeable = False
+
+
+def _forward_again(setup, q, k, v, out, return_lse):
+    """A call whose key found `setup`: the checks that can fail for the same key (the keys'
+    count, alignment, `out`), then the kernel. None when one fails: the full path then raises
+    the error or handles the case."""
+    axis = _SEQ_AXIS[setup.layout]
+    if (k.shape[axis] != setup.n_k or v.shape[axis] != setup.n_k or not q.flags.aligned
+            or not k.flags.aligned or not v.flags.aligned):
+        return None
+    if out is None:
+        out = np.empty(setup.out_shape, dtype=setup.dtype)
+    elif not (out.__class__ is np.ndarray and out.shape == setup.out_shape
+              and out.dtype == setup.dtype and out.flags.writeable and out.flags.aligned
+              and not (np.may_share_memory(out, q) or np.may_share_memory(out, k)
+                       or np.may_share_memory(out, v))):
+        return None
+    out_bhsd = out
+    if setup.layout == "bshd":
+        q, k, v, out_bhsd = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), \
+            out.swapaxes(1, 2)
+    lse = np.empty(setup.lse_rows, dtype=setup.call.compute_dtype)
+    view = _validate.kernel_view
+    _run_forward(setup.call, setup.seqs, (view(q), view(k), view(v), view(out_bhsd), lse))
+    return (out, lse.reshape(setup.call.lse_shape)) if return_lse else out
+
+
+def _run_forward(call, seqs, arrays=None):
+    """Choose tiles, deal the work items to threads and run the FA-2 kernel. `arrays`: (q, k,
+    v, out, lse) as the kernel takes them, in place of the call's (`_forward_again`)."""
+    n_threads = _thread_count()
     key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
            call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
     kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
-    kernel(call.q, call.k, call.v, call.out_kernel, call.lse, seqs, items, chunk_ptr,
-           tiles.block_q, tiles.block_k, key_align, call.half_kind, call.modifiers())
+    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
+    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
+           call.half_kind, call.modifiers())
 
 
 def _forward_schedule(call, seqs, n_threads):

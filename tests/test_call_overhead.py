@@ -2,7 +2,9 @@
 earlier valid one skips to the kernel, and gives exactly what the full path gives; anything that
 differs, or a value that is an error, takes the full path (and its error)."""
 
+import gc
 import threading
+import weakref
 
 import numba
 import numpy as np
@@ -96,6 +98,91 @@ def varied_calls(rng):
         "attention float16": lambda: cpuflash.attention(q16, k16, v16, return_lse=True),
     }
     return calls
+
+
+def forward_inputs(rng, dtype=np.float32, layout="bhsd"):
+    """Several query rows: the FA-2 forward (`api._Forward` plans)."""
+    q, k, v = random_qkv(rng, (2, 6, 37, 64), (2, 3, 53, 64), d_v=48, dtype=dtype)
+    if layout == "bshd":
+        q, k, v = (np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_repeated_forward_call_skips_the_checks_and_gives_the_same_bits(
+        rng, validations, dtype, layout):
+    dtype = low_precision_dtype(dtype) if dtype in ("float16", "bfloat16") else np.dtype(dtype)
+    q, k, v = forward_inputs(rng, dtype, layout)
+
+    def call(q=q, **options):
+        return cpuflash.attention(q, k, v, causal=True, layout=layout, **options)
+
+    first = uncached(lambda: call(return_lse=True))
+    assert validations["attention"] == 1
+    out = np.empty_like(first[0])
+    for _ in range(2):
+        assert_same_bits(call(return_lse=True), first)
+        assert_same_bits(call(), first[0])
+        assert call(out=out) is out  # a caller's `out`, as the torch adapter passes it
+        assert_same_bits(out, first[0])
+    assert validations["attention"] == 1
+    q2 = (q.astype(np.float32) * 3).astype(dtype)  # other values, the same key
+    assert_same_bits(call(q2, return_lse=True), uncached(lambda: call(q2, return_lse=True)))
+    if layout == "bhsd":
+        lse = first[1]
+        plain = None if dtype.itemsize > 2 else dtype
+        for b in range(2):
+            assert_close_to_reference(first[0][b], q[b], k[b], v[b], lse=lse[b], causal=True,
+                                      plain_dtype=plain)
+
+
+def test_forward_calls_that_do_not_fit_the_plan_take_the_full_path(rng):
+    q, k, v = forward_inputs(rng)
+
+    def both(make):  # after the plan, and without one
+        cpuflash.attention(q, k, v, causal=True)
+        got = make()
+        return got, uncached(make)
+
+    # fewer keys (not in the key), unaligned keys, strided queries
+    raw = np.zeros(k.nbytes + 1, dtype=np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(k.shape)
+    unaligned[...] = k
+    strided = np.zeros((2, 6, 74, 64), dtype=np.float32)[:, :, ::2]
+    strided[...] = q
+    for make in (lambda: cpuflash.attention(q, k[:, :, :40], v[:, :, :40], causal=True),
+                 lambda: cpuflash.attention(q, unaligned, v, causal=True),
+                 lambda: cpuflash.attention(strided, k, v, causal=True)):
+        assert_same_bits(*both(make))
+    # an `out` over the values, which two query heads read each (the full path writes a
+    # copy, then copies it over them)
+    q53 = rng.standard_normal((2, 6, 53, 64)).astype(np.float32)
+    out = np.zeros((2, 6, 53, 48), dtype=np.float32)
+    out[:, :3] = v
+    values = out[:, :3]
+    expected = cpuflash.attention(q53, k, v.copy(), causal=True)
+    cpuflash.attention(q53, k, values, causal=True)
+    assert cpuflash.attention(q53, k, values, causal=True, out=out) is out
+    assert_same_bits(out, expected)
+    # an `out` of another dtype, or read-only: the full path's errors
+    with pytest.raises(TypeError, match="`out` must have dtype float32"):
+        cpuflash.attention(q, k, v, causal=True, out=np.empty((2, 6, 37, 48)))
+    frozen = np.empty((2, 6, 37, 48), dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="`out` must be writeable"):
+        cpuflash.attention(q, k, v, causal=True, out=frozen)
+
+
+def test_a_forward_plan_keeps_no_array_of_the_call_alive(rng):
+    q, k, v = forward_inputs(rng)
+    out = np.empty((2, 6, 37, 48), dtype=np.float32)
+    cpuflash.attention(q, k, v, causal=True, out=out, return_lse=True)
+    refs = [weakref.ref(x) for x in (q, k, v, out)]
+    del q, k, v, out
+    gc.collect()
+    assert len(_plans._entries) == 1
+    assert all(ref() is None for ref in refs)
 
 
 def test_a_plan_is_never_reused_for_a_call_that_differs(rng):
