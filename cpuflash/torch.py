@@ -86,7 +86,7 @@ def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, b
 def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias,
              mask, sinks, layout):
     """The forward's work, shared by the operator and the eager path: (out, lse) tensors."""
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    out = q.new_empty(tuple(q.shape)[:-1] + (v.shape[-1],))  # (torch.Size slices: 0.9 us)
     _, lse = api.attention(
         _as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True, out=_as_numpy(out),
         **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
@@ -223,7 +223,7 @@ def _check_cpu(**tensors):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
+        if not t.is_cpu:  # (`t.device` costs 0.3 us, a tenth of a small call's adapter)
             raise ValueError(f"`{name}` is on device {t.device}, but cpuflash runs on the CPU "
                              f"only: pass CPU tensors (`{name}.cpu()`)")
 
@@ -322,7 +322,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out_dims = max(query.dim(), key.dim(), value.dim())
     query, key, value = _broadcast_heads(query, key, value, enable_gqa)
     n_q, n_k = query.shape[-2], key.shape[-2]
-    keywords = {}
+    causal, right = False, -1
     mask = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -334,15 +334,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                             f"({query.dtype}), as in torch, got {attn_mask.dtype}")
     if is_causal:
         if n_q == n_k:  # top-left and bottom-right alignments agree
-            keywords["causal"] = True
+            causal = True
         elif n_q > n_k:  # j <= i is j <= i + (n_k - n_q) + right with right = n_q - n_k
-            keywords["window"] = (-1, n_q - n_k)
+            right = n_q - n_k
         else:  # right would be negative, which a window cannot express: an explicit mask
-            tri = torch.ones(n_q, n_k, dtype=torch.bool).tril()
+            tri = torch.ones(n_q, n_k, dtype=torch.bool, device=query.device).tril()
             mask = tri if mask is None else mask & tri
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    out = attention(query, key, value, scale=scale, bias=bias, mask=mask, **keywords)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    # (`attention` without its checks, which the ones above cover)
+    out, _ = _run_attention(query, key, value, causal, scale, -1, right, 0.0, None, bias, mask,
+                            None, "bhsd")
     return out[0] if out_dims == 2 else out  # 2-D inputs were given a head axis
 
 
@@ -353,6 +354,11 @@ def _broadcast_heads(query, key, value, enable_gqa):
     key/value heads of a group are repeated instead. Key/value heads stay fewer than the query
     heads wherever one count serves both (GQA and MQA run without repeating them).
     """
+    q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if (len(q_shape) == len(k_shape) == len(v_shape) == 4 and q_shape[0] == k_shape[0] == v_shape[0]
+            and k_shape[1] == v_shape[1]
+            and (q_shape[1] == k_shape[1] or enable_gqa and q_shape[1] % k_shape[1] == 0)):
+        return query, key, value  # (B, H, N, D) each, heads equal or grouped: as they are
     tensors = {"query": query, "key": key, "value": value}
     for name, t in tensors.items():
         if t.dim() < 2:
