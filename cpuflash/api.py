@@ -77,8 +77,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     and lse ``-inf`` (with `sinks`: lse ``sinks[h]``), as in flash-attn (torch 2.13 gives 0 too).
     Results do not depend on the number of threads (``numba.set_num_threads``). A call with one
     query row (a decoding step; no `bias`, `mask` or `tiles`) runs the streaming kernel of
-    `attention_with_kvcache`, and a repeated call with the same shapes and options skips the
-    argument checks that cannot fail for them.
+    `attention_with_kvcache`. A repeated call with the shapes, dtypes and options of an earlier
+    one (and no `alibi_slopes`, `bias`, `mask`, `sinks` or `tiles`) skips the argument checks
+    that cannot fail for them.
 
     torch CPU tensors are read in place. This numpy-level call has no autograd (use
     `cpuflash.torch` for that): a tensor that requires grad is a TypeError while grad mode is on
