@@ -354,6 +354,33 @@ def test_calls_from_several_python_threads_share_the_plans(rng):
         assert_same_bits(results[i], expected[i], f"thread {i}")
 
 
+def test_forward_calls_from_several_python_threads_share_a_plan(rng):
+    q, k, v = forward_inputs(rng)
+    queries = [(q * (i + 1)).astype(np.float32) for i in range(4)]
+    expected = [cpuflash.attention(x, k, v, causal=True, return_lse=True) for x in queries]
+    _plans.clear()
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            out = np.empty((2, 6, 37, 48), dtype=np.float32)
+            for _ in range(20):
+                results[i] = cpuflash.attention(queries[i], k, v, causal=True, return_lse=True,
+                                                out=out)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(_plans._entries) == 1
+    for i in range(4):
+        assert_same_bits(results[i], expected[i], f"thread {i}")
+
+
 def test_torch_tensors_take_the_plan_and_grad_is_still_refused(rng, validations):
     torch = pytest.importorskip("torch", reason="torch tensors are optional inputs")
     q, k, v = decode_inputs(rng, n_keys=80)
