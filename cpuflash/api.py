@@ -136,7 +136,6 @@ class _Forward:
     def __init__(self, call, layout, seqs):
         self.layout = layout
         self.n_k = call.n_k  # (not in the key, which leaves out the keys' axis)
-        self.dtype = call.dtype
         self.out_shape = call.out_user.shape
         self.lse_rows = call.lse.shape
         seqs.flags.writeable = False
@@ -161,9 +160,9 @@ def _forward_again(setup, q, k, v, out, return_lse):
             or not k.flags.aligned or not v.flags.aligned):
         return None
     if out is None:
-        out = np.empty(setup.out_shape, dtype=setup.dtype)
+        out = np.empty(setup.out_shape, dtype=setup.call.dtype)
     elif not (out.__class__ is np.ndarray and out.shape == setup.out_shape
-              and out.dtype == setup.dtype and out.flags.writeable and out.flags.aligned
+              and out.dtype == setup.call.dtype and out.flags.writeable and out.flags.aligned
               and not (np.may_share_memory(out, q) or np.may_share_memory(out, k)
                        or np.may_share_memory(out, v))):
         return None
@@ -449,7 +448,7 @@ class _Decode:
         self.kernel = decode_plain if call.plain() else decode  # (`kernels.decode.PLAIN`)
         # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
         # microsecond of a short call)
-        self.call = None
+        self.compiled = None
         self.sinks = call.sinks  # (also in `mods`: the merge adds them)
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
@@ -648,10 +647,10 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
         part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
                              setup.head_dim_v), dtype=setup.compute_dtype)
         part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
-    kernel = setup.call
+    kernel = setup.compiled
     if kernel is None or _threads.FORKED_AFTER_OPENMP:
-        kernel = setup.call = setup.kernel.specialize((k.dtype, setup.compute_dtype, q.dtype,
-                                                       setup.user_type))
+        kernel = setup.compiled = setup.kernel.specialize((k.dtype, setup.compute_dtype,
+                                                           q.dtype, setup.user_type))
     kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
            plan.block_k, setup.half_kind, setup.mods, part_out, part_lse, n_threads)
     if plan.n_splits > 1:
