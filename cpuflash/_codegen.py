@@ -39,8 +39,9 @@ _Library = numba_codegen.JITCodeLibrary
 _NEEDED = [(_Library, name) for name in (
     "finalize", "get_pointer_to_function", "serialize_using_object_code", "_unserialize",
     "_finalize_final_module", "_optimize_final_module", "_optimize_functions",
-    "_get_module_for_linking", "_raise_if_finalized")] + [(numba_codegen.JITCPUCodegen, name) for name in (
-        "set_env", "_check_llvm_bugs", "_library_class", "_function_pass_manager")]
+    "_get_module_for_linking", "_raise_if_finalized")] + [
+        (numba_codegen.JITCPUCodegen, name) for name in (
+            "set_env", "_check_llvm_bugs", "_library_class", "_function_pass_manager")]
 # the Numba releases whose finalize, linking and caching this was checked against; another
 # release compiles the usual way until it is checked too
 CHECKED_RELEASES = ((0, 68),)
