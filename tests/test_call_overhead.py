@@ -328,28 +328,35 @@ def test_attention_with_few_query_rows_is_exact_and_independent_of_threads(rng, 
                                   plain_dtype=plain)
 
 
+def in_threads(call, n_threads=4, repeats=20):
+    """``call(i)`` `repeats` times on each of `n_threads` Python threads at once (thread i);
+    the last result of each thread, after checking that none raised."""
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for _ in range(repeats):
+                results[i] = call(i)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return [results[i] for i in range(n_threads)]
+
+
 def test_calls_from_several_python_threads_share_the_plans(rng):
     q, k, v = decode_inputs(rng, batch=4, n_keys=700)
     lengths = [np.array([700, 3, 500, 699 - i], dtype=np.int32) for i in range(4)]
     expected = [cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=s, return_lse=True)
                 for s in lengths]
     _plans.clear()
-    results, errors = {}, []
-
-    def work(i):
-        try:
-            for _ in range(20):
-                results[i] = cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths[i],
-                                                             return_lse=True)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = in_threads(lambda i: cpuflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=lengths[i], return_lse=True))
     for i in range(4):
         assert_same_bits(results[i], expected[i], f"thread {i}")
 
@@ -359,23 +366,9 @@ def test_forward_calls_from_several_python_threads_share_a_plan(rng):
     queries = [(q * (i + 1)).astype(np.float32) for i in range(4)]
     expected = [cpuflash.attention(x, k, v, causal=True, return_lse=True) for x in queries]
     _plans.clear()
-    results, errors = {}, []
-
-    def work(i):
-        try:
-            out = np.empty((2, 6, 37, 48), dtype=np.float32)
-            for _ in range(20):
-                results[i] = cpuflash.attention(queries[i], k, v, causal=True, return_lse=True,
-                                                out=out)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    outs = [np.empty((2, 6, 37, 48), dtype=np.float32) for _ in queries]
+    results = in_threads(lambda i: cpuflash.attention(queries[i], k, v, causal=True,
+                                                      return_lse=True, out=outs[i]))
     assert len(_plans._entries) == 1
     for i in range(4):
         assert_same_bits(results[i], expected[i], f"thread {i}")
