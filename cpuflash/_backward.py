@@ -160,7 +160,9 @@ def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
     for i, (x, like) in enumerate(zip(given, qkv)):
         others = inputs + [g for j, g in enumerate(given) if j != i and g is not None]
         target = None
-        if x is None or any(np.may_share_memory(x, y) for y in others):
+        # a fresh array where the kernel cannot write the caller's: unaligned (its kernel view
+        # would be a copy), or over an input the kernel still reads
+        if x is None or not x.flags.aligned or any(np.may_share_memory(x, y) for y in others):
             target, x = x, np.empty(like.shape, dtype=dtype)
         shape4 = (call.q, call.k, call.v)[i].shape  # as the kernel reads the input
         view = _validate.reshaped_view(_heads_first(x, layout), shape4)

@@ -504,15 +504,16 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
 
 def out_value(out, shape, dtype, inputs):
     """Check a user's `out` (already through `as_array`: a torch CPU tensor is viewed, not
-    copied); returns it, or a fresh array when it overlaps an input."""
+    copied); returns it, or a fresh array (written, then copied over `out`) when it overlaps
+    an input or is unaligned (the kernels would write a copy of it)."""
     if out.shape != shape:
         _fail(ValueError, f"`out` must have shape {shape}, got {out.shape}")
     if out.dtype != dtype:
         _fail(TypeError, f"`out` must have dtype {dtype} (that of `q`), got {out.dtype}")
     if not out.flags.writeable:
         _fail(ValueError, "`out` must be writeable, got a read-only array")
-    if any(np.may_share_memory(out, x) for x in inputs):
-        return np.empty(shape, dtype=dtype)  # written, then copied over the inputs it aliases
+    if not out.flags.aligned or any(np.may_share_memory(out, x) for x in inputs):
+        return np.empty(shape, dtype=dtype)
     return out
 
 

@@ -11,7 +11,7 @@ import cpuflash
 from cpuflash.reference import attention_reference
 
 from accuracy import assert_close_to_reference
-from helpers import assert_same_bits, explain, random_qkv, run_python
+from helpers import assert_same_bits, explain, random_qkv, run_python, unaligned
 
 SEQLEN_PAIRS = [(1, 239), (3, 799), (127, 513), (113, 203), (1023, 1024)]
 SEQLEN_PAIRS += [(nk, nq) for nq, nk in SEQLEN_PAIRS]
@@ -125,6 +125,18 @@ def test_out_that_aliases_an_input(rng):
     expected = cpuflash.attention(q, k, v)
     cpuflash.attention(q, k, v, out=q)  # q is read fully before it is overwritten
     np.testing.assert_array_equal(q, expected)
+
+
+@pytest.mark.parametrize("n_q", [33, 1])
+def test_unaligned_out(rng, n_q):
+    """An `out` one byte off its alignment (which the kernels cannot write through) is written
+    all the same, the FA-2 kernel's and the one-row kernel's result alike."""
+    q, k, v = random_qkv(rng, (2, 4, n_q, 16), (2, 2, 45, 16))
+    expected, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    out = unaligned(np.full(expected.shape, np.nan, dtype=np.float32))
+    got, got_lse = cpuflash.attention(q, k, v, causal=True, return_lse=True, out=out)
+    assert got is out
+    assert_same_bits((out, got_lse), (expected, lse))
 
 
 def test_out_that_cannot_be_flattened(rng):

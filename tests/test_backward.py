@@ -11,7 +11,7 @@ from cpuflash.reference import attention_reference
 
 from accuracy import assert_within_rule, tolerance
 from helpers import (assert_same_bits, heads_first, low_precision_dtype, negative, packed,
-                     random_qkv, visible)
+                     random_qkv, unaligned, visible)
 
 
 # -- the dense reference of the gradients ---------------------------------------------------------
@@ -393,6 +393,22 @@ def test_gradients_written_in_place(rng):
              np.full_like(v, np.nan))
     got = attention_backward(dout, q, k, v, out, lse, causal=True, dq=given[0], dk=given[1],
                              dv=given[2])
+    assert all(g is x for g, x in zip(got, given))
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gradients_written_unaligned(rng, layout):
+    """Gradients given in memory one byte off its alignment are written all the same."""
+    q, k, v = random_qkv(rng, (1, 40, 2, 16), (1, 50, 1, 16))
+    if layout == "bhsd":
+        q, k, v = (np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v))
+    out, lse = cpuflash.attention(q, k, v, return_lse=True, causal=True, layout=layout)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    expected = attention_backward(dout, q, k, v, out, lse, causal=True, layout=layout)
+    given = tuple(unaligned(np.full_like(x, np.nan)) for x in (q, k, v))
+    got = attention_backward(dout, q, k, v, out, lse, causal=True, layout=layout,
+                             dq=given[0], dk=given[1], dv=given[2])
     assert all(g is x for g, x in zip(got, given))
     assert_same_bits(got, expected)
 
