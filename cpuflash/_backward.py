@@ -6,12 +6,12 @@ module checks what only the backward takes (`dout`, `out`, `lse` and the optiona
 and adds the sinks' gradient.
 """
 
+import copy
 import dataclasses
 
-import numba
 import numpy as np
 
-from . import _plans, _schedule, _simd, _validate, tiling
+from . import _plans, _schedule, _simd, _threads, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.backward import fa2_backward, fa2_backward_plain
 
@@ -52,12 +52,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     gradients. Bitwise identical results whatever the thread count; extra memory O(N).
     """
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
+    key = None
+    if alibi_slopes is None and bias is None and mask is None and sinks is None:
+        key = _plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap, layout)
+        setup = _plans.get(key) if key is not None else None
+        if setup is not None:
+            result = _backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv)
+            if result is not None:
+                return result
     call = _validate.attention_args(
         q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
         return_lse=True)
     grads = gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    if key is not None and q.ndim == 4:
+        _plans.put(key, _Backward(call, layout, seqs))
     delta = _run_backward(call, grads, seqs)
     result = grads.result()
     if call.sinks.size:
@@ -86,6 +96,75 @@ class GradientCall:
                 user = target
             grads.append(user)
         return tuple(grads)
+
+
+def _plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap, layout):
+    """The `_plans` key of a backward call with options of the common kinds (numpy arrays,
+    options of their usual types: ``True`` never stands in for ``1``), or None."""
+    if not (q.__class__ is np.ndarray and k.__class__ is np.ndarray
+            and v.__class__ is np.ndarray and dout.__class__ is np.ndarray
+            and out.__class__ is np.ndarray and lse.__class__ is np.ndarray
+            and causal.__class__ is bool and layout.__class__ is str
+            and (scale is None or scale.__class__ is float or scale.__class__ is int)
+            and (softcap.__class__ is float or softcap.__class__ is int)):
+        return None
+    if window is not None and not (window.__class__ is tuple and len(window) == 2
+                                   and window[0].__class__ is int
+                                   and window[1].__class__ is int):
+        return None
+    return ("backward", q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, dout.shape,
+            dout.dtype, out.shape, out.dtype, lse.shape, lse.dtype, causal, scale, window,
+            softcap, layout)
+
+
+class _Backward:
+    """What a repeated backward call needs besides its arrays (see `_plans`): the checked call
+    of an earlier one with the same key, without its arrays, and its sequence table."""
+
+    def __init__(self, call, layout, seqs):
+        self.layout = layout
+        seqs.flags.writeable = False
+        self.seqs = seqs
+        self.call = copy.copy(call)  # (the kernels' key reads q's dtype from an empty one)
+        self.call.q = np.empty((0, 0, 0, 0), dtype=call.q.dtype)
+        self.call.k = self.call.v = self.call.out_user = self.call.out_bhsd = None
+        self.call.out_kernel = self.call.lse = None
+        for array in (call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
+                      call.sinks):  # (the empty operands of a call without them: shared)
+            array.flags.writeable = False
+
+
+def _backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
+    """A call whose key found `setup`: the checks that can fail for the same key (alignment,
+    the given gradients), then the kernel. None when one fails: the full path then raises the
+    error or handles the case (with copies)."""
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned and dout.flags.aligned
+            and out.flags.aligned):
+        return None
+    call = setup.call
+    inputs = (q, k, v, dout, out, lse)
+    given = (dq, dk, dv)
+    user = []
+    for i, (x, like) in enumerate(zip(given, (q, k, v))):
+        if x is None:
+            x = np.empty(like.shape, dtype=call.dtype)
+        elif not (x.__class__ is np.ndarray and x.shape == like.shape and x.dtype == call.dtype
+                  and x.flags.writeable and x.flags.aligned
+                  and not any(np.may_share_memory(x, y) for y in inputs)
+                  and not any(np.may_share_memory(x, y) for y in given[i + 1:]
+                              if y is not None)):
+            return None
+        user.append(x)
+    arrays = [q, k, v, dout, out] + user
+    if setup.layout == "bshd":
+        arrays = [x.swapaxes(1, 2) for x in arrays]
+    view = _validate.kernel_view
+    grads = GradientCall(
+        dout=arrays[3], out=arrays[4], lse=np.ascontiguousarray(lse, dtype=call.compute_dtype),
+        kernel=(view(arrays[5]), view(arrays[6]), view(arrays[7])), user=tuple(user),
+        copy_back=(None, None, None))
+    _run_backward(call, grads, setup.seqs, (view(arrays[0]), view(arrays[1]), view(arrays[2])))
+    return grads.user
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
@@ -199,20 +278,22 @@ def _sink_gradient(sinks, lse, delta):
     return (-(share * delta).sum(axis=(0, 2))).astype(np.float32)
 
 
-def _run_backward(call, grads, seqs, fused=None):
+def _run_backward(call, grads, seqs, qkv=None, fused=None):
     """Choose tiles and the scheme, deal the work items of the sequences `seqs` to the threads
-    and run the kernel; returns ``delta = rowsum(dout * out)`` (batch, Hq, Nq).
+    and run the kernel; returns ``delta = rowsum(dout * out)`` (batch, Hq, Nq). `qkv`: q, k, v
+    as the kernel takes them, in place of the call's (`_backward_again`).
 
     `fused` (None: chosen by `_fuse`) runs one item per (sequence, kv head) that computes dQ
     too, instead of a key pass per key block and a query pass per query tile. Both sum in the
     same order, so the choice does not change the bits.
     """
+    q, k, v = qkv or (call.q, call.k, call.v)
     delta = np.zeros_like(grads.lse)  # written by the kernel
-    if not (len(seqs) and call.n_heads and grads.lse.size + call.k.size):
+    if not (len(seqs) and call.n_heads and grads.lse.size + k.size):
         for grad in grads.kernel:  # nothing to sum: zero gradients (dk, dv of kv heads
             grad[...] = 0          # without query heads too)
         return delta
-    n_threads = numba.get_num_threads()
+    n_threads = _threads.thread_count()
     key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
            fused, _fuse, tiling.backward_tiles)
     tiles, q_items, q_chunks, k_items, k_chunks, fused = _plans.schedule(
@@ -225,7 +306,7 @@ def _run_backward(call, grads, seqs, fused=None):
                        -(-call.head_dim // width) * width), dtype=compute)
     kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
         call.kernel_key())
-    kernel(call.q, call.k, call.v, _validate.kernel_view(grads.out),
+    kernel(q, k, v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
            call.half_kind, call.modifiers())

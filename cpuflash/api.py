@@ -2,9 +2,7 @@
 
 import copy
 
-import numba
 import numpy as np
-from numba.np.ufunc import parallel as _numba_parallel
 
 from . import (_backward, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate,
                tiling)
@@ -179,7 +177,7 @@ def _forward_again(setup, q, k, v, out, return_lse):
 def _run_forward(call, seqs, arrays=None):
     """Choose tiles, deal the work items to threads and run the FA-2 kernel. `arrays`: (q, k,
     v, out, lse) as the kernel takes them, in place of the call's (`_forward_again`)."""
-    n_threads = _thread_count()
+    n_threads = _threads.thread_count()
     key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
            call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
            tiling.split_for_threads)
@@ -611,18 +609,6 @@ def _decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=N
     return (out_user, lse) if return_lse else out_user
 
 
-def _thread_count():
-    """`numba.get_num_threads()`, which takes Numba's two start-up locks on every call (0.5 us,
-    a tenth of a short decoding call); once the threads are up, Numba's own getter behind it
-    (75 ns) gives the same number."""
-    if getattr(_numba_parallel, "_is_initialized", False):
-        getter = getattr(_numba_parallel, "_get_num_threads", None)
-        n = getter() if getter is not None else 0
-        if n > 0:
-            return n
-    return numba.get_num_threads()
-
-
 # the scales of a float cache (the kernel's quantized steps are skipped)
 _NO_SCALES = np.zeros((0, 0, 0), dtype=np.float32)
 _NO_SCALES.flags.writeable = False
@@ -637,7 +623,7 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
         page_rows = setup.page_rows
     k_scale, v_scale = (_NO_SCALES, _NO_SCALES) if scales is None or scales[0] is None \
         else scales
-    n_threads = _thread_count()
+    n_threads = _threads.thread_count()
     plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
                               setup.head_dim, setup.compute_dtype, setup.num_splits)
     direct = setup.native and not sinks.size  # the kernel or the merge writes the output

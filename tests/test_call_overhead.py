@@ -185,6 +185,107 @@ def test_a_forward_plan_keeps_no_array_of_the_call_alive(rng):
     assert all(ref() is None for ref in refs)
 
 
+def backward_inputs(rng, dtype=np.float32, layout="bhsd", **options):
+    """q, k, v as `forward_inputs`, and the forward's out and lse with a random dout."""
+    q, k, v = forward_inputs(rng, dtype, layout)
+    out, lse = cpuflash.attention(q, k, v, layout=layout, return_lse=True, **options)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    return dout, q, k, v, out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_repeated_backward_call_skips_the_checks_and_gives_the_same_bits(
+        rng, validations, dtype, layout):
+    dtype = low_precision_dtype(dtype) if dtype in ("float16", "bfloat16") else np.dtype(dtype)
+    dout, q, k, v, out, lse = backward_inputs(rng, dtype, layout, causal=True)
+
+    def call(dout=dout, **grads):
+        return cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True, layout=layout,
+                                           **grads)
+
+    first = uncached(call)
+    checked = validations["attention"]
+    given = {name: np.empty_like(x) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    for _ in range(2):
+        assert_same_bits(call(), first)
+        got = call(**given)  # the caller's gradients, as the torch adapter passes them
+        assert all(g is x for g, x in zip(got, given.values()))
+        assert_same_bits(got, first)
+    assert validations["attention"] == checked  # the plan served the later calls
+    dout2 = (dout.astype(np.float32) * 3).astype(dtype)  # other values, the same key
+    assert_same_bits(call(dout2), uncached(lambda: call(dout2)))
+
+
+def test_backward_calls_that_do_not_fit_the_plan_take_the_full_path(rng):
+    dout, q, k, v, out, lse = backward_inputs(rng)
+
+    def both(make):  # after the plan, and without one
+        cpuflash.attention_backward(dout, q, k, v, out, lse)
+        got = make()
+        return got, uncached(make)
+
+    raw = np.zeros(q.nbytes + 1, dtype=np.uint8)
+    unaligned = raw[1:].view(np.float32).reshape(q.shape)
+    unaligned[...] = q
+    strided = np.zeros((2, 6, 74, 64), dtype=np.float32)[:, :, ::2]
+    strided[...] = q
+    for name, make in (
+            ("unaligned q", lambda: cpuflash.attention_backward(dout, unaligned, k, v, out, lse)),
+            ("strided q", lambda: cpuflash.attention_backward(dout, strided, k, v, out, lse)),
+            ("lse float64", lambda: cpuflash.attention_backward(dout, q, k, v, out,
+                                                                lse.astype(np.float64)))):
+        assert_same_bits(*both(make), name)
+    # gradients the kernel cannot write in place: over an input it reads (dq=q), unaligned,
+    # dk and dv sharing one buffer (the full path writes copies, then copies them over)
+    expected = cpuflash.attention_backward(dout, q, k, v, out, lse)
+    q_copy = q.copy()
+    assert cpuflash.attention_backward(dout, q_copy, k, v, out, lse, dq=q_copy)[0] is q_copy
+    assert_same_bits(q_copy, expected[0], "dq over q")
+    numba.set_num_threads(1)  # (the fixture restores the count)
+    q_copy = q.copy()  # dk of the first kv head over the last query rows, read after it
+    dk = q_copy.reshape(-1)[::-1][:k.size].reshape(k.shape)
+    cpuflash.attention_backward(dout, q_copy, k, v, out, lse)
+    assert cpuflash.attention_backward(dout, q_copy, k, v, out, lse, dk=dk)[1] is dk
+    assert_same_bits(dk, expected[1], "dk over q")
+    assert_same_bits(cpuflash.attention_backward(dout, q, k, v, out, lse, dq=unaligned)[0],
+                     expected[0], "unaligned dq")
+    both_kv = np.full((2, 3, 53, 112), np.nan, dtype=np.float32)
+    got = cpuflash.attention_backward(dout, q, k, v, out, lse, dk=both_kv[..., :64],
+                                      dv=both_kv[..., 64:])
+    assert_same_bits(got, expected, "dk and dv in one buffer")
+    assert_same_bits((both_kv[..., :64], both_kv[..., 64:]), expected[1:])
+    # a gradient of another dtype, or read-only: the full path's errors
+    with pytest.raises(TypeError, match="`dq` must have dtype float32"):
+        cpuflash.attention_backward(dout, q, k, v, out, lse, dq=np.empty(q.shape))
+    frozen = np.empty_like(k)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="`dk` must be writeable"):
+        cpuflash.attention_backward(dout, q, k, v, out, lse, dk=frozen)
+
+
+def test_a_backward_plan_keeps_no_array_of_the_call_alive(rng):
+    arrays = list(backward_inputs(rng))
+    grads = [np.empty_like(x) for x in arrays[1:4]]
+    cpuflash.attention_backward(*arrays, dq=grads[0], dk=grads[1], dv=grads[2])
+    refs = [weakref.ref(x) for x in arrays + grads]
+    del arrays, grads
+    gc.collect()
+    assert [key[0] for key in _plans._entries] == ["attention", "backward"]
+    assert all(ref() is None for ref in refs)
+
+
+def test_backward_calls_from_several_python_threads_share_a_plan(rng):
+    dout, q, k, v, out, lse = backward_inputs(rng)
+    douts = [(dout * (i + 1)).astype(np.float32) for i in range(4)]
+    expected = [cpuflash.attention_backward(x, q, k, v, out, lse) for x in douts]
+    _plans.clear()
+    results = in_threads(lambda i: cpuflash.attention_backward(douts[i], q, k, v, out, lse))
+    assert len(_plans._entries) == 1
+    for i in range(4):
+        assert_same_bits(results[i], expected[i], f"thread {i}")
+
+
 def test_a_plan_is_never_reused_for_a_call_that_differs(rng):
     calls = varied_calls(rng)
     expected = {}
