@@ -288,7 +288,7 @@ def _run_backward(call, grads, seqs, qkv=None, fused=None):
     same order, so the choice does not change the bits.
     """
     q, k, v = qkv or (call.q, call.k, call.v)
-    delta = np.zeros_like(grads.lse)  # written by the kernel
+    delta = np.zeros(grads.lse.shape, dtype=grads.lse.dtype)  # written by the kernel
     if not (len(seqs) and call.n_heads and grads.lse.size + k.size):
         for grad in grads.kernel:  # nothing to sum: zero gradients (dk, dv of kv heads
             grad[...] = 0          # without query heads too)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _extras, api, flex
+from . import _extras, _validate, api, flex
 
 try:
     import torch
@@ -55,7 +55,7 @@ def _as_numpy(t):
 
 def _as_tensor(a):
     """A CPU tensor sharing the memory of the numpy array `a` (the inverse of `_as_numpy`)."""
-    if a.dtype.name == "bfloat16":  # ml_dtypes' type: hand torch the bits
+    if _validate._is_bfloat16(a.dtype):  # ml_dtypes' type: hand torch the bits
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
