@@ -123,6 +123,7 @@ class _Backward:
 
     def __init__(self, call, layout, seqs):
         self.layout = layout
+        self.launch = None  # (see `_plans.launch`)
         seqs.flags.writeable = False
         self.seqs = seqs
         self.call = copy.copy(call)  # (the kernels' key reads q's dtype from an empty one)
@@ -163,7 +164,8 @@ def _backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
         dout=arrays[3], out=arrays[4], lse=np.ascontiguousarray(lse, dtype=call.compute_dtype),
         kernel=(view(arrays[5]), view(arrays[6]), view(arrays[7])), user=tuple(user),
         copy_back=(None, None, None))
-    _run_backward(call, grads, setup.seqs, (view(arrays[0]), view(arrays[1]), view(arrays[2])))
+    _run_backward(call, grads, setup.seqs, (view(arrays[0]), view(arrays[1]), view(arrays[2])),
+                  plan=setup)
     return grads.user
 
 
@@ -278,10 +280,11 @@ def _sink_gradient(sinks, lse, delta):
     return (-(share * delta).sum(axis=(0, 2))).astype(np.float32)
 
 
-def _run_backward(call, grads, seqs, qkv=None, fused=None):
+def _run_backward(call, grads, seqs, qkv=None, fused=None, plan=None):
     """Choose tiles and the scheme, deal the work items of the sequences `seqs` to the threads
     and run the kernel; returns ``delta = rowsum(dout * out)`` (batch, Hq, Nq). `qkv`: q, k, v
-    as the kernel takes them, in place of the call's (`_backward_again`).
+    as the kernel takes them, in place of the call's; `plan`: the `_Backward` that keeps the
+    launch (`_backward_again`).
 
     `fused` (None: chosen by `_fuse`) runs one item per (sequence, kv head) that computes dQ
     too, instead of a key pass per key block and a query pass per query tile. Both sum in the
@@ -294,23 +297,34 @@ def _run_backward(call, grads, seqs, qkv=None, fused=None):
             grad[...] = 0          # without query heads too)
         return delta
     n_threads = _threads.thread_count()
-    key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
-           fused, _fuse, tiling.backward_tiles)
-    tiles, q_items, q_chunks, k_items, k_chunks, fused = _plans.schedule(
-        key, lambda: _backward_schedule(call, seqs, n_threads, fused))
-
-    compute = call.compute_dtype
-    width = 2 * _simd.lanes_for(compute)
+    if plan is None:
+        launch = _backward_launch(call, seqs, n_threads, fused)
+    else:
+        valid = (n_threads, _fuse, tiling.backward_tiles, _threads.FORKED_AFTER_OPENMP)
+        launch = _plans.launch(plan, valid,
+                               lambda: _backward_launch(call, seqs, n_threads, fused))
+    kernel, schedule, acc_columns, mods = launch
+    tiles, q_items, q_chunks, k_items, k_chunks, fused = schedule
     dq, dk, dv = grads.kernel
-    dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0,
-                       -(-call.head_dim // width) * width), dtype=compute)
-    kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
-        call.kernel_key())
+    dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0, acc_columns),
+                      dtype=call.compute_dtype)
     kernel(q, k, v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
-           call.half_kind, call.modifiers())
+           call.half_kind, mods)
     return delta
+
+
+def _backward_launch(call, seqs, n_threads, fused):
+    """(kernel, schedule, dq_acc's columns, modifiers): what the call's shapes, options and the
+    thread count decide of the backward kernel's arguments (`_backward_schedule`)."""
+    key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
+           fused, _fuse, tiling.backward_tiles)
+    schedule = _plans.schedule(key, lambda: _backward_schedule(call, seqs, n_threads, fused))
+    width = 2 * _simd.lanes_for(call.compute_dtype)
+    kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
+        call.kernel_key())
+    return kernel, schedule, -(-call.head_dim // width) * width, call.modifiers()
 
 
 def _backward_schedule(call, seqs, n_threads, fused):

@@ -12,8 +12,8 @@ an `out` that overlaps an input) is checked on every call, and a call that does 
 entry takes the full path, so errors are raised as they always were.
 
 An entry keeps no array of the calls, and its own arrays are read-only. Once stored it changes
-only where it remembers what later calls worked out (its compiled kernel, the key counts of the
-last cache length), each a whole value replaced at once. So Python threads share the entries
+only where it remembers what later calls worked out (its compiled kernel and work items, the key
+counts of the last cache length), each a whole value replaced at once. So Python threads share the entries
 without a lock (a dict's get and set are atomic); the table is bounded, oldest entries leaving
 first. A child process forked after entries were stored inherits them, and they hold there too
 (the same shapes decide the same things).
@@ -75,6 +75,19 @@ def schedule(key, make):
         _make_room(_schedules)
         _schedules[key] = plan
     return plan
+
+
+def launch(plan, valid, make):
+    """``make()``, kept on `plan` (its `launch` attribute) for as long as `valid` compares
+    equal: what a stored plan's kernel launch derives from the thread count and from the
+    functions tests replace (the compiled kernel, the work items, the modifiers), so that a
+    repeated call only reads it. Replaced whole, as entries are (see the module's notes)."""
+    kept = plan.launch
+    if kept is not None and kept[0] == valid:
+        return kept[1]
+    value = make()
+    plan.launch = (valid, value)
+    return value
 
 
 def _make_room(table):

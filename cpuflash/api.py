@@ -136,6 +136,7 @@ class _Forward:
         self.n_k = call.n_k  # (not in the key, which leaves out the keys' axis)
         self.out_shape = call.out_user.shape
         self.lse_rows = call.lse.shape
+        self.launch = None  # (see `_plans.launch`)
         seqs.flags.writeable = False
         self.seqs = seqs
         # the call without its arrays, which are not kept alive (the kernels' key reads q's
@@ -170,23 +171,39 @@ def _forward_again(setup, q, k, v, out, return_lse):
             out.swapaxes(1, 2)
     lse = np.empty(setup.lse_rows, dtype=setup.call.compute_dtype)
     view = _validate.kernel_view
-    _run_forward(setup.call, setup.seqs, (view(q), view(k), view(v), view(out_bhsd), lse))
+    _run_forward(setup.call, setup.seqs, (view(q), view(k), view(v), view(out_bhsd), lse),
+                 setup)
     return (out, lse.reshape(setup.call.lse_shape)) if return_lse else out
 
 
-def _run_forward(call, seqs, arrays=None):
+def _run_forward(call, seqs, arrays=None, plan=None):
     """Choose tiles, deal the work items to threads and run the FA-2 kernel. `arrays`: (q, k,
-    v, out, lse) as the kernel takes them, in place of the call's (`_forward_again`)."""
+    v, out, lse) as the kernel takes them, in place of the call's; `plan`: the `_Forward` that
+    keeps the launch (`_forward_again`)."""
     n_threads = _threads.thread_count()
+    if plan is None:
+        launch = _forward_launch(call, seqs, n_threads)
+    else:
+        valid = (n_threads, tiling.choose_tiles, tiling.split_for_threads,
+                 _threads.FORKED_AFTER_OPENMP)
+        launch = _plans.launch(plan, valid, lambda: _forward_launch(call, seqs, n_threads))
+    kernel, items, chunk_ptr, block_q, block_k, key_align, mods = launch
+    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
+    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
+           call.half_kind, mods)
+
+
+def _forward_launch(call, seqs, n_threads):
+    """(kernel, items, chunk_ptr, block_q, block_k, key_align, modifiers): the FA-2 kernel's
+    arguments that the call's shapes, options and the thread count decide."""
     key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
            call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
     kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
-    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
-    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
-           call.half_kind, call.modifiers())
+    return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
+            call.modifiers())
 
 
 def _forward_schedule(call, seqs, n_threads):

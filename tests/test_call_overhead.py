@@ -286,6 +286,25 @@ def test_backward_calls_from_several_python_threads_share_a_plan(rng):
         assert_same_bits(results[i], expected[i], f"thread {i}")
 
 
+def test_a_plans_launch_follows_the_thread_count(rng):
+    """A stored plan keeps its kernel's launch (work items dealt to the threads) for the thread
+    count it was made for, and makes a new one when the count changes."""
+    dout, q, k, v, out, lse = backward_inputs(rng, causal=True)
+    expected = {}
+    for i, threads in enumerate((2, 1, 2)):  # (a backward's first call stores its plan)
+        numba.set_num_threads(threads)
+        got = (cpuflash.attention(q, k, v, causal=True, return_lse=True)
+               + cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True))
+        assert_same_bits(got, expected.setdefault("bits", got), f"threads={threads}")
+        for plan in _plans._entries.values():
+            if i == 0 and plan.launch is None:
+                continue
+            (count, *_), launch = plan.launch
+            assert count == threads
+            chunk_ptr = launch[2] if plan.__class__.__name__ == "_Forward" else launch[1][2]
+            assert len(chunk_ptr) - 1 <= threads
+
+
 def test_a_plan_is_never_reused_for_a_call_that_differs(rng):
     calls = varied_calls(rng)
     expected = {}
