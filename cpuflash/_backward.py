@@ -49,7 +49,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     -----
     The gradients are those of the score pipeline, softcap's tanh included. float16 and
     bfloat16 accumulate in float32 and are rounded once. Rows that see no key get zero
-    gradients. Bitwise identical results whatever the thread count; extra memory O(N).
+    gradients. Bitwise identical results whatever the thread count; extra memory O(N). A
+    repeated call with the shapes, dtypes and options of an earlier one (and no `alibi_slopes`,
+    `bias`, `mask` or `sinks`) skips the argument checks that cannot fail for them.
     """
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     key = None
