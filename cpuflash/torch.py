@@ -114,7 +114,8 @@ def _(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, 
 
 def _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap,
                alibi_slopes, bias, mask, sinks, layout):
-    """The backward's work, shared by the operator and the eager path: (dq, dk, dv, dsinks)."""
+    """The backward's work, shared by the operator and the eager path: (dq, dk, dv, dsinks),
+    dsinks None without sinks."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     result = api.attention_backward(
         _as_numpy(dout), _as_numpy(q), _as_numpy(k), _as_numpy(v), _as_numpy(out),
@@ -122,10 +123,9 @@ def _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right
         **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
                     sinks, layout))
     if sinks is None:
-        dsinks = q.new_empty(0, dtype=torch.float32)
-    else:  # float32 from the kernels; the gradient takes the parameter's dtype
-        dsinks = torch.from_numpy(result[3]).to(sinks.dtype)
-    return dq, dk, dv, dsinks
+        return dq, dk, dv, None
+    # float32 from the kernels; the gradient takes the parameter's dtype
+    return dq, dk, dv, torch.from_numpy(result[3]).to(sinks.dtype)
 
 
 @torch.library.custom_op("cpuflash::attention_backward", mutates_args=(), device_types="cpu")
@@ -134,8 +134,12 @@ def _attention_backward_op(
         scale: Optional[float], window_left: int, window_right: int, softcap: float,
         alibi_slopes: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
         sinks: Optional[Tensor], layout: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap,
-                      alibi_slopes, bias, mask, sinks, layout)
+    dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, causal, scale, window_left,
+                                    window_right, softcap, alibi_slopes, bias, mask, sinks,
+                                    layout)
+    if dsinks is None:  # (an operator returns tensors)
+        dsinks = q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dsinks
 
 
 @_attention_backward_op.register_fake
