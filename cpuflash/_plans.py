@@ -13,10 +13,10 @@ entry takes the full path, so errors are raised as they always were.
 
 An entry keeps no array of the calls, and its own arrays are read-only. Once stored it changes
 only where it remembers what later calls worked out (its compiled kernel and work items, the key
-counts of the last cache length), each a whole value replaced at once. So Python threads share the entries
-without a lock (a dict's get and set are atomic); the table is bounded, oldest entries leaving
-first. A child process forked after entries were stored inherits them, and they hold there too
-(the same shapes decide the same things).
+counts of the last cache length), each a whole value replaced at once. So Python threads share
+the entries without a lock (a dict's get and set are atomic); the table is bounded, oldest
+entries leaving first. A child process forked after entries were stored inherits them, and
+they hold there too (the same shapes decide the same things).
 """
 
 import numpy as np
