@@ -86,7 +86,8 @@ def main(argv=None):
                 best[name] = min(best[name], time.perf_counter() - start)
         ours = best["cpuflash forward"] + best["cpuflash backward"]
         torch_backward = best["torch forward+backward"] - best["torch forward"]
-        label = f"B{batch} H{hq}{f'/{hk}' if hq != hk else ''} N{n} D{d}{' causal' if causal else ''}"
+        heads = f"{hq}/{hk}" if hq != hk else f"{hq}"
+        label = f"B{batch} H{heads} N{n} D{d}{' causal' if causal else ''}"
         print(f"| {label} | {best['cpuflash backward'] / best['cpuflash forward']:.2f} "
               f"| {torch_backward / best['torch forward']:.2f} "
               f"| {best['torch forward+backward'] / ours:.2f}x "

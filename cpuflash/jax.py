@@ -208,7 +208,8 @@ def _attention_bwd(options, residuals, cotangents):
         types.append(jax.ShapeDtypeStruct(sinks.shape, sinks.dtype))
     if options.bias_grad:
         types.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
-    grads = list(_jax_ffi.call(_backward, options, [dout, out, lse, q, k, v] + _present(extras), types))
+    grads = list(_jax_ffi.call(_backward, options, [dout, out, lse, q, k, v] + _present(extras),
+                               types))
     dq, dk, dv = grads[:3]
     dsinks = grads.pop(3) if sinks is not None else None
     dbias = grads[3] if options.bias_grad else None

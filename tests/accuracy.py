@@ -37,9 +37,10 @@ def score_rounding_spread(q, k, v, out, lse, eps, **kwargs):
 
     A kernel computes each logit ``s_ij`` (after scale, softcap, ALiBi and bias) with a
     rounding error of about ``eps * |s_ij|`` (the magnitude of the final logit: where ALiBi or
-    a bias cancels a larger score, the rounding of the parts is not counted). That error moves ``p_ij`` by the same relative
-    amount and, to first order, output ``o_ic`` by ``p_ij * ds_ij * (v_jc - o_ic)``. Taking the
-    roundings as independent, the spread of the error of ``o_ic`` is
+    a bias cancels a larger score, the rounding of the parts is not counted). That error moves
+    ``p_ij`` by the same relative amount and, to first order, output ``o_ic`` by
+    ``p_ij * ds_ij * (v_jc - o_ic)``. Taking the roundings as independent, the spread of the
+    error of ``o_ic`` is
 
         eps * sqrt(sum_j (p_ij * s_ij)^2 * (v_jc - o_ic)^2)
 

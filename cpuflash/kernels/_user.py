@@ -327,8 +327,8 @@ def _mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
 @jit
 def tile_state(user, b, h, q0, rows, kb, cols):
     """EMPTY, PARTIAL or FULL: what the block mask of ``user = (fns, score_args, mask_args,
-    states, block_q, block_k, positions)`` says of the tile of rows q0 .. q0 + rows - 1 and keys kb ..
-    kb + cols - 1 (the kernel's tiles need not be the block mask's: a tile is EMPTY when every
+    states, block_q, block_k, positions)`` says of the tile of rows q0 .. q0 + rows - 1 and keys
+    kb .. kb + cols - 1 (the kernel's tiles need not be the block mask's: a tile is EMPTY when every
     block it meets is, FULL when every one is). Without a block mask: PARTIAL with a `mask_mod`
     (it is called for every pair), FULL without."""
     fns, _, _, states, block_q, block_k, _ = user
