@@ -59,7 +59,8 @@ FORK_SCRIPT = """
     def run_all():
         return {name: digest(call()) for name, call in workload().items()}
 
-    parent = run_all()  # the parent's thread pool is up (its workers live) before the fork
+    run_all()  # the parent's thread pool is up (its workers live) before the fork, and
+    parent = run_all()  # repeated calls have stored their plans, launches included
     print("layer", numba.threading_layer())
     read_end, write_end = os.pipe()
     pid = os.fork()

@@ -32,6 +32,9 @@ def workload(seed=7):
     new_v = rng.standard_normal((2, 2, 1, 24)).astype(np.float32)
     seqlens = np.array([50, 299], np.int32)
 
+    out, lse = cpuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+
     def with_new_keys():
         kc, vc = k_cache.copy(), v_cache.copy()
         out, lse = cpuflash.attention_with_kvcache(dq, kc, vc, k=new_k, v=new_v,
@@ -44,6 +47,9 @@ def workload(seed=7):
                                                 bias=bias, alibi_slopes=slopes,
                                                 return_lse=True),
         "attention_f64": lambda: cpuflash.attention(q64, k64, v64, softcap=5.0, return_lse=True),
+        # (calls of the common kinds: repeated, they run from stored plans, `cpuflash._plans`)
+        "attention_causal": lambda: cpuflash.attention(q, k, v, causal=True, return_lse=True),
+        "backward": lambda: cpuflash.attention_backward(dout, q, k, v, out, lse, causal=True),
         "varlen": lambda: cpuflash.attention_varlen(vq, vk, vv, cu_q, cu_k, causal=True,
                                                     return_lse=True),
         "kvcache_decode": lambda: cpuflash.attention_with_kvcache(
