@@ -6,7 +6,6 @@ module checks what only the backward takes (`dout`, `out`, `lse` and the optiona
 and adds the sinks' gradient.
 """
 
-import copy
 import dataclasses
 
 import numpy as np
@@ -128,13 +127,7 @@ class _Backward:
         self.launch = None  # (see `_plans.launch`)
         seqs.flags.writeable = False
         self.seqs = seqs
-        self.call = copy.copy(call)  # (the kernels' key reads q's dtype from an empty one)
-        self.call.q = np.empty((0, 0, 0, 0), dtype=call.q.dtype)
-        self.call.k = self.call.v = self.call.out_user = self.call.out_bhsd = None
-        self.call.out_kernel = self.call.lse = None
-        for array in (call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
-                      call.sinks):  # (the empty operands of a call without them: shared)
-            array.flags.writeable = False
+        self.call = call.without_arrays()
 
 
 def _backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):

@@ -10,6 +10,7 @@ any strides in float32, float64 or uint16 (the bits of float16/bfloat16, widened
 kernel tile by tile), which keeps one compiled kernel per dtype.
 """
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -368,6 +369,19 @@ class AttentionCall:
         return (self.softcap == 0 and self.alibi.shape[1] == 0 and self.bias.shape[0] == 0
                 and self.mask.shape[0] == 0 and self.sinks.shape[0] == 0
                 and self.user is NO_USER_FUNCTIONS)
+
+    def without_arrays(self):
+        """A copy that keeps none of the caller's arrays, for a stored plan (`_plans`): what a
+        later call with the same key needs besides its own arrays. The kernels' key reads q's
+        dtype, from an empty array; the empty operands of a call without modifiers, shared by
+        every such call, are made read-only."""
+        kept = copy.copy(self)
+        kept.q = np.empty((0, 0, 0, 0), dtype=self.q.dtype)
+        kept.k = kept.v = kept.out_user = kept.out_bhsd = kept.out_kernel = kept.lse = None
+        for array in (self.alibi, self.bias, self.bias_map, self.mask, self.mask_map,
+                      self.sinks):
+            array.flags.writeable = False
+        return kept
 
     def kernel_key(self):
         """The key the FA-2 kernels are specialized by: dtypes, and the user's functions."""

@@ -1,7 +1,5 @@
 """Public entry points: argument handling and docstrings, no math."""
 
-import copy
-
 import numpy as np
 
 from . import (_backward, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate,
@@ -139,15 +137,7 @@ class _Forward:
         self.launch = None  # (see `_plans.launch`)
         seqs.flags.writeable = False
         self.seqs = seqs
-        # the call without its arrays, which are not kept alive (the kernels' key reads q's
-        # dtype from an empty one)
-        self.call = copy.copy(call)
-        self.call.q = np.empty((0, 0, 0, 0), dtype=call.q.dtype)
-        self.call.k = self.call.v = self.call.out_user = self.call.out_bhsd = None
-        self.call.out_kernel = self.call.lse = None
-        for array in (call.alibi, call.bias, call.bias_map, call.mask, call.mask_map,
-                      call.sinks):  # (the empty operands of a call without them: shared)
-            array.flags.writeable = False
+        self.call = call.without_arrays()
 
 
 def _forward_again(setup, q, k, v, out, return_lse):

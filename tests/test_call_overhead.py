@@ -14,7 +14,8 @@ import cpuflash
 from cpuflash import _combine, _plans, _validate
 
 from accuracy import assert_close_to_reference
-from helpers import assert_same_bits, check_kvcache, fortran, low_precision_dtype, random_qkv
+from helpers import (assert_same_bits, check_kvcache, fortran, low_precision_dtype, random_qkv,
+                     strided, unaligned)
 
 
 @pytest.fixture(autouse=True)
@@ -146,14 +147,10 @@ def test_forward_calls_that_do_not_fit_the_plan_take_the_full_path(rng):
         return got, uncached(make)
 
     # fewer keys (not in the key), unaligned keys, strided queries
-    raw = np.zeros(k.nbytes + 1, dtype=np.uint8)
-    unaligned = raw[1:].view(np.float32).reshape(k.shape)
-    unaligned[...] = k
-    strided = np.zeros((2, 6, 74, 64), dtype=np.float32)[:, :, ::2]
-    strided[...] = q
+    k_unaligned, q_strided = unaligned(k), strided(q)
     for make in (lambda: cpuflash.attention(q, k[:, :, :40], v[:, :, :40], causal=True),
-                 lambda: cpuflash.attention(q, unaligned, v, causal=True),
-                 lambda: cpuflash.attention(strided, k, v, causal=True)):
+                 lambda: cpuflash.attention(q, k_unaligned, v, causal=True),
+                 lambda: cpuflash.attention(q_strided, k, v, causal=True)):
         assert_same_bits(*both(make))
     # an `out` over the values, which two query heads read each (the full path writes a
     # copy, then copies it over them)
@@ -225,14 +222,11 @@ def test_backward_calls_that_do_not_fit_the_plan_take_the_full_path(rng):
         got = make()
         return got, uncached(make)
 
-    raw = np.zeros(q.nbytes + 1, dtype=np.uint8)
-    unaligned = raw[1:].view(np.float32).reshape(q.shape)
-    unaligned[...] = q
-    strided = np.zeros((2, 6, 74, 64), dtype=np.float32)[:, :, ::2]
-    strided[...] = q
+    q_unaligned, q_strided = unaligned(q), strided(q)
     for name, make in (
-            ("unaligned q", lambda: cpuflash.attention_backward(dout, unaligned, k, v, out, lse)),
-            ("strided q", lambda: cpuflash.attention_backward(dout, strided, k, v, out, lse)),
+            ("unaligned q", lambda: cpuflash.attention_backward(dout, q_unaligned, k, v, out,
+                                                                lse)),
+            ("strided q", lambda: cpuflash.attention_backward(dout, q_strided, k, v, out, lse)),
             ("lse float64", lambda: cpuflash.attention_backward(dout, q, k, v, out,
                                                                 lse.astype(np.float64)))):
         assert_same_bits(*both(make), name)
@@ -248,7 +242,7 @@ def test_backward_calls_that_do_not_fit_the_plan_take_the_full_path(rng):
     cpuflash.attention_backward(dout, q_copy, k, v, out, lse)
     assert cpuflash.attention_backward(dout, q_copy, k, v, out, lse, dk=dk)[1] is dk
     assert_same_bits(dk, expected[1], "dk over q")
-    assert_same_bits(cpuflash.attention_backward(dout, q, k, v, out, lse, dq=unaligned)[0],
+    assert_same_bits(cpuflash.attention_backward(dout, q, k, v, out, lse, dq=q_unaligned)[0],
                      expected[0], "unaligned dq")
     both_kv = np.full((2, 3, 53, 112), np.nan, dtype=np.float32)
     got = cpuflash.attention_backward(dout, q, k, v, out, lse, dk=both_kv[..., :64],
@@ -416,13 +410,7 @@ def test_unaligned_and_strided_inputs_after_a_plan(rng):
     """The same shapes with other strides or unaligned memory give the full path's bits."""
     q, k, v = decode_inputs(rng, n_keys=100)
     cpuflash.attention_with_kvcache(q, k, v)
-    raw = np.zeros(k.nbytes + 1, dtype=np.uint8)
-    unaligned = raw[1:].view(np.float32).reshape(k.shape)
-    unaligned[...] = k
-    assert not unaligned.flags.aligned
-    strided = np.zeros((1, 3, 200, 64), dtype=np.float32)[:, :, ::2]
-    strided[...] = v
-    for kk, vv in [(unaligned, v), (k, strided), (k[..., ::-1, :][..., ::-1, :], v)]:
+    for kk, vv in [(unaligned(k), v), (k, strided(v)), (k[..., ::-1, :][..., ::-1, :], v)]:
         got = cpuflash.attention_with_kvcache(q, kk, vv, return_lse=True)
         assert_same_bits(got, uncached(lambda: cpuflash.attention_with_kvcache(
             q, kk, vv, return_lse=True)))
