@@ -748,7 +748,7 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_k
     n = lanes(acc)
     whole_vectors = vector_rows(out, n)
     for r in range(rows):
-        m, total = row_max[r], row_sum[r]
+        m, total = np.float64(row_max[r]), np.float64(row_sum[r])  # (the sinks need float64)
         if sink != -np.inf:
             top = max(m, sink)
             total = total * math.exp2((m - top) * LOG2E) + math.exp2((sink - top) * LOG2E)
@@ -762,16 +762,16 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_k
             continue
         else:
             norm = 1.0 / total  # NaN stays NaN
-        norm = like_dtype(norm, acc)  # one rounding, whichever way the row is written
+        rounded = like_dtype(norm, acc)  # one rounding, whichever way the row is written
         if whole_vectors:  # (rounded to a half-precision output as it is stored)
             o = row_offset(out, b, h, start + r)
-            scale = vsplat(norm, acc)
+            scale = vsplat(rounded, acc)
             for x in range(0, out.shape[3], n):
                 store_narrowed(out, o + x, vmul(scale, vload(acc, r * acc.shape[1] + x)),
                                half_kind)
         else:
             for x in range(out.shape[3]):
-                out[b, h, start + r, x] = narrow(acc[r, x] * norm, out.dtype, half_kind)
+                out[b, h, start + r, x] = narrow(acc[r, x] * rounded, out.dtype, half_kind)
         lse[b, h, start + r] = m + math.log2(total) * LN2 if total != 0 else -np.inf
 
 
@@ -1177,9 +1177,9 @@ def store_rows(acc, rows, mult, dst, b, h, start, half_kind):
     """dst[b, h, start + r, :] = mult * acc[r, :D] for r < rows, rounded once to dst's dtype
     (whole vectors where `dst`'s rows allow, the same bits either way)."""
     n = lanes(acc)
-    mult = like_dtype(mult, acc)
+    rounded = like_dtype(mult, acc)
     if vector_rows(dst, n):
-        scale = vsplat(mult, acc)
+        scale = vsplat(rounded, acc)
         for r in range(rows):
             o = row_offset(dst, b, h, start + r)
             for x in range(0, dst.shape[3], n):
@@ -1188,4 +1188,4 @@ def store_rows(acc, rows, mult, dst, b, h, start, half_kind):
         return
     for r in range(rows):
         for x in range(dst.shape[3]):
-            dst[b, h, start + r, x] = narrow(acc[r, x] * mult, dst.dtype, half_kind)
+            dst[b, h, start + r, x] = narrow(acc[r, x] * rounded, dst.dtype, half_kind)
