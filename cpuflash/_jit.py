@@ -459,7 +459,7 @@ def _tell_compiling(name, key):
     where = cache_location()[0]
     kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
     # the time: measured (docs/performance.md, "Compile time"), quoted in the README too
-    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (6-9 s per kernel "
+    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (5-8 s per kernel "
           f"on 2 cores of an AMD EPYC Zen 4; {kept}; CPUFLASH_QUIET=1 hides this line)",
           file=sys.stderr, flush=True)
 
