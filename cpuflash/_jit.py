@@ -22,7 +22,7 @@ import warnings
 import numba
 import numpy as np
 from numba import types
-from numba.core import caching, compiler, typed_passes, untyped_passes
+from numba.core import caching, compiler
 
 from . import _codegen, _threads
 
@@ -133,21 +133,22 @@ class HelperCompiler(compiler.CompilerBase):
 
     Numba runs every pass over every function it compiles, and a kernel's chain holds 60-80
     of them: these took about 0.6 of the 5.8 s of a cold forward compile (Zen 4). Without SSA
-    form a variable keeps one type in the whole function, as in Numba before 0.50; the
-    kernels' outputs came out bit-identical. A helper written with a closure or a
+    form a variable keeps one type in the whole function (as in Numba before 0.50), so each
+    helper gives each of its variables one type (`tests/test_helper_compiler.py` checks it),
+    and the kernels' outputs came out bit-identical. A helper written with a closure or a
     comprehension fails to compile; an array expression (``a + b`` on arrays) compiles unfused.
     The kernels (`Kernel`) keep Numba's own pipeline, which their parallel loops need.
     """
 
-    _LEFT_OUT = (untyped_passes.WithLifting, untyped_passes.InlineClosureLikes,
-                 typed_passes.NopythonRewrites)
+    # (by name: a Numba release without one of them compiles with the rest)
+    _LEFT_OUT = {"WithLifting", "InlineClosureLikes", "NopythonRewrites"}
 
     def define_pipelines(self):
         self.state.flags.enable_ssa = False  # (this compile's own flags)
         full = compiler.DefaultPassBuilder.define_nopython_pipeline(self.state)
         pipeline = compiler.PassManager(full.pipeline_name)
         for pass_class, description in full.passes:
-            if pass_class not in self._LEFT_OUT:
+            if pass_class.__name__ not in self._LEFT_OUT:
                 pipeline.add_pass(pass_class, description)
         pipeline.finalize()
         return [pipeline]
