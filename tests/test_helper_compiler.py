@@ -2,8 +2,9 @@
 variable has one type in the whole function. Under Numba's own pipeline a variable can hold a
 float32 on one line and a float64 on the next; without SSA form both lines would compute in
 float64, which is other arithmetic than the code says. So every helper must give each of its
-variables one type: this types every helper that three kernels' chains compile again, with SSA
-form, and finds the variables that get more than one there.
+variables one type: this types every helper that the kernels' chains compile (three general
+builds, and the code generated around a user's functions) again, with SSA form, and finds the
+variables that get more than one there.
 """
 
 import pytest
@@ -30,6 +31,26 @@ CHECK = """
     cf.attention_backward(out, q, q, q, out, lse, **options)
     cache = cf.quantize_kv(q, "int8")
     cf.attention_with_kvcache(q[:, :, :1], cache, cache, softcap=5.0)
+    # and the code generated around the user's functions (`kernels/_user.py`)
+    table = rng.standard_normal((2, 128)).astype(np.float32)
+
+    def relative(score, b, h, q_idx, kv_idx, table):
+        return score + table[h, q_idx - kv_idx + 64]
+
+    def relative_grad(dscore, score, b, h, q_idx, kv_idx, table, dtable):
+        dtable[h, q_idx - kv_idx + 64] += dscore
+        return dscore
+
+    doc = np.repeat(np.arange(4), 10)[None].astype(np.int32)
+
+    def same_doc(b, h, q_idx, kv_idx, doc):
+        return doc[b, q_idx] == doc[b, kv_idx] and kv_idx <= q_idx
+
+    mask = cf.block_mask(same_doc, 1, 1, 40, 40, args=(doc,))
+    user = dict(score_mod=relative, score_args=(table,), block_mask=mask)
+    out, lse = cf.flex_attention(q, q, q, return_lse=True, **user)
+    cf.flex_attention_backward(out, q, q, q, out, lse, score_mod_grad=relative_grad, **user)
+    cf.attention_with_kvcache(q[:, :, :1], q, q, score_mod=relative, score_args=(table,))
 
     checked, unstable = 0, set()
     for helper in [f for f in gc.get_objects() if isinstance(f, CPUDispatcher)]:
@@ -62,5 +83,5 @@ def test_every_variable_of_a_helper_has_one_type(tmp_path):
                         timeout=600)
     assert result.returncode == 0, explain(result)
     report = last_json_line(result)
-    assert report["checked"] > 100, report  # the helpers compiled (an empty cache: not loaded)
+    assert report["checked"] > 200, report  # the helpers compiled (an empty cache: not loaded)
     assert report["unstable"] == [], report["unstable"]
