@@ -64,10 +64,11 @@ CHECK = """
                                            signature, None, flags, {})
             found = collections.defaultdict(set)  # variable -> its types (SSA: x, x.1, ...)
             for name, kind in typed.type_annotation.typemap.items():
-                variable = name.split(".")[0]
+                # (arg.x: the argument x as passed, a variable of its own)
+                variable = name if name.startswith("arg.") else name.split(".")[0]
                 # ($: Numba's temporaries; _: values nobody reads; a literal constant has the
                 # same value as its plain type)
-                if not variable.startswith("$") and variable not in ("_", "arg"):
+                if not variable.startswith("$") and variable != "_":
                     found[variable].add(str(types.unliteral(kind)))
             checked += 1
             unstable |= {f"{helper.py_func.__qualname__}: {variable} {sorted(kinds)}"
