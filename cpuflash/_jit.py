@@ -241,7 +241,8 @@ caching.IndexDataCacheFile = _LockedCacheFile  # read by Numba's `Cache` as it i
 
 
 # the files whose code is compiled into kernels (what the stamp must cover)
-_COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name) for name in ("_jit.py", "_simd.py")]
+_COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name)
+                     for name in ("_jit.py", "_simd.py", "_combine.py")]
 _COMPILED_SOURCES += pathlib.Path(_PACKAGE_DIR, "kernels").glob("*.py")
 _stamp = None
 

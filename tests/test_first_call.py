@@ -353,6 +353,33 @@ def _save_at_once(folder):
     return {(w, i): entries.load((w, i)) for w in "ab" for i in range(60)}
 
 
+def test_every_file_compiled_into_a_cached_kernel_is_in_the_cache_stamp():
+    """A cached entry is valid while the stamp is: a file whose functions are compiled and
+    cached but whose text the stamp leaves out would keep serving its old machine code."""
+    import importlib
+    import pkgutil
+
+    import cpuflash
+
+    stamped = {str(path) for path in _jit._COMPILED_SOURCES}
+    compiled = set()
+    for info in pkgutil.walk_packages(cpuflash.__path__, "cpuflash."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra's adapter (torch, jax, mpi4py)
+            continue
+        for value in vars(module).values():
+            if isinstance(value, _jit.Kernel):
+                compiled.add(value._pyfunc.__code__.co_filename)
+            elif (isinstance(value, numba.core.registry.CPUDispatcher)
+                  and value.targetoptions.get("cache")):
+                compiled.add(value.py_func.__code__.co_filename)
+    package = os.path.dirname(cpuflash.__file__)
+    compiled = {name for name in compiled if name.startswith(package + os.sep)}
+    assert any(name.endswith("_combine.py") for name in compiled), sorted(compiled)
+    assert compiled <= stamped, f"not in the stamp: {sorted(compiled - stamped)}"
+
+
 def test_cache_entries_saved_by_two_processes_at_once_are_all_kept(tmp_path):
     """Numba saves an entry by rewriting the function's index unlocked (numba#10128): two
     processes compiling two signatures of one kernel at once lose entries, or leave one naming
