@@ -354,12 +354,15 @@ class Kernel:
     dispatcher, compiled for exactly that signature with compilation then disabled, so arrays
     of other layouts are converted to ``"A"`` instead of triggering new specializations.
     `name` says what the kernel is, in the one line that tells the user a compile is under way.
+    `fastmath`: the flags of `OPTIONS`, or False for IEEE arithmetic throughout (Numba also
+    marks the function itself, so inlined helpers compiled without flags get them too).
     """
 
-    def __init__(self, pyfunc, signature, name, parallel=True):
+    def __init__(self, pyfunc, signature, name, parallel=True, fastmath=FASTMATH):
         self._pyfunc = pyfunc
         self._signature = signature
         self._parallel = parallel
+        self._fastmath = fastmath
         self._dispatchers = {}  # key -> its dispatcher
         self._calls = {}  # key -> what `specialize` returns
         self._by_identity = {}  # ids of a key's objects -> (key, what `specialize` returns)
@@ -404,7 +407,7 @@ class Kernel:
         with self._lock:
             if self._serial is None:
                 self._serial = Kernel(variant(self._pyfunc, "_on_one_thread"), self._signature,
-                                      self.name, parallel=False)
+                                      self.name, parallel=False, fastmath=self._fastmath)
             return self._serial
 
     def _compile(self, key):
@@ -412,7 +415,7 @@ class Kernel:
         dispatcher has missed the cache: a compile, never a load, however slow the load."""
         # (no cfunc wrapper: only the Python entry is called)
         dispatcher = numba.njit(parallel=self._parallel, no_cfunc_wrapper=True,
-                                **OPTIONS)(self._pyfunc)  # lazy
+                                **dict(OPTIONS, fastmath=self._fastmath))(self._pyfunc)  # lazy
         done = threading.Event()
         watcher = threading.Thread(target=_notice_on_compile,
                                    args=(dispatcher, done, self.name, key), daemon=True)

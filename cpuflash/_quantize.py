@@ -12,9 +12,15 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .kernels.quantize import int8_rows
+
 # the largest magnitude each 8-bit format holds, by the names `quantize_kv` takes
 QUANT_MAX = {"int8": 127.0, "float8_e4m3": 448.0}
 FLOAT8_NAME = "float8_e4m3fn"  # ml_dtypes' name of the float8 dtype
+# The most numbers quantized by the compiled loop, whose bits are those of the numpy operations
+# below: faster for a few rows (2.4 against 11.2 us for one row of 64, 26 against 29 for 256),
+# slower for many (96 against 85 us for 1024 rows, 378 against 300 for 4096; Zen 4)
+COMPILED_SIZE = 1 << 14
 
 
 class QuantizedKV(NamedTuple):
@@ -52,6 +58,12 @@ def quantize_rows(x, name):
     NaN, and NaN propagates through attention as in the float computation)."""
     x = np.asarray(x, dtype=np.float32)
     limit = np.float32(QUANT_MAX[name])
+    if name == "int8" and 0 < x.size <= COMPILED_SIZE:  # one pass a row (`kernels.quantize`)
+        rows = x.reshape(-1, x.shape[-1])
+        data = np.empty(rows.shape, dtype=np.int8)
+        scale = np.empty(rows.shape[0], dtype=np.float32)
+        int8_rows.specialize(np.int8)(rows, data, scale, limit)
+        return data.reshape(x.shape), scale.reshape(x.shape[:-1])
     scale = np.asarray(np.max(np.abs(x), axis=-1, initial=np.float32(0)) / limit)
     if np.all(scale > 0) and np.all(scale < np.inf):  # the common case: few numpy calls
         ratio = x / scale[..., None]  # at most limit * (1 + 2^-23): rounds to +-limit

@@ -105,6 +105,30 @@ def test_zero_and_nonfinite_rows(rng, fmt):
     assert np.all(np.isfinite(back[finite]))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 37, 256])
+def test_compiled_rows_give_numpy_bits(rng, monkeypatch, rows):
+    """Small inputs are quantized by a compiled loop (`kernels.quantize`), large ones by numpy's
+    operations: the same bits, ties (x / scale at k + 1/2, to even) and special rows included."""
+    from cpuflash import _quantize
+
+    x = (rng.standard_normal((rows, 64)) * 10.0 ** rng.integers(-30, 30, (rows, 1)))
+    x = x.astype(np.float32)
+    ties = (rng.integers(-127, 127, 64) + 0.5).astype(np.float32)
+    ties[0] = 127  # scale 1 before the factor: x / scale lands on k + 1/2
+    x[0] = ties * np.float32(0.37)
+    specials = [0.0, np.inf, np.nan, -np.inf, 1e-45, -0.0]
+    for i, value in enumerate(specials[:rows - 1]):
+        x[i + 1, i] = value
+        if value in (0.0, 1e-45):
+            x[i + 1] = value  # a row of zeros, or of the smallest subnormal (scale 0)
+    assert x.size <= _quantize.COMPILED_SIZE
+    got = quantize_kv(x, "int8")
+    monkeypatch.setattr(_quantize, "COMPILED_SIZE", 0)
+    want = quantize_kv(x, "int8")
+    assert_same_bits(got.data, want.data)
+    assert_same_bits(got.scale, want.scale)
+
+
 def test_quantize_and_dequantize_errors():
     x = np.ones((2, 4, 8), np.float32)
     with pytest.raises(TypeError, match="`x` must be a float array, got dtype int32"):
