@@ -353,9 +353,11 @@ class Kernel:
     `signature(key)` returns the Numba signature for a key (a dtype, say); each key gets its own
     dispatcher, compiled for exactly that signature with compilation then disabled, so arrays
     of other layouts are converted to ``"A"`` instead of triggering new specializations.
-    `name` says what the kernel is, in the one line that tells the user a compile is under way.
-    `fastmath`: the flags of `OPTIONS`, or False for IEEE arithmetic throughout (Numba also
-    marks the function itself, so inlined helpers compiled without flags get them too).
+    `name` says what the kernel is, in the one line that tells the user a compile is under way
+    (once per process); None for a kernel that compiles in under a second, which says nothing
+    (it must not take the line from a kernel compiled after it).
+    `fastmath`: the flags of `OPTIONS`, or False for IEEE arithmetic throughout (under the
+    flags, a helper compiled without them lost its IEEE division once inlined: `kernels.quantize`).
     """
 
     def __init__(self, pyfunc, signature, name, parallel=True, fastmath=FASTMATH):
@@ -417,9 +419,9 @@ class Kernel:
         dispatcher = numba.njit(parallel=self._parallel, no_cfunc_wrapper=True,
                                 **dict(OPTIONS, fastmath=self._fastmath))(self._pyfunc)  # lazy
         done = threading.Event()
-        watcher = threading.Thread(target=_notice_on_compile,
-                                   args=(dispatcher, done, self.name, key), daemon=True)
-        watcher.start()
+        if self.name is not None:
+            threading.Thread(target=_notice_on_compile, args=(dispatcher, done, self.name, key),
+                             daemon=True).start()
         try:
             with _codegen.deferred():
                 dispatcher.compile(self._signature(key))

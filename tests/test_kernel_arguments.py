@@ -10,7 +10,7 @@ from helpers import REPO_DIR, explain, run_python
 EVERY_ROUTE = """
     import numpy as np, numba, cpuflash
     from cpuflash import _combine, _jit, reference
-    from cpuflash.kernels import backward, decode, fa1, forward
+    from cpuflash.kernels import backward, decode, fa1, forward, quantize
 
     assert _jit.CHECK_ARGUMENTS
     rng = np.random.default_rng(0)
@@ -57,8 +57,8 @@ EVERY_ROUTE = """
 
     kernels = (forward.fa2_forward, forward.fa2_forward_plain, backward.fa2_backward,
                backward.fa2_backward_plain, backward.score_arg_grads, decode.decode,
-               decode.decode_plain, fa1.fa1_forward, _combine._merge_kernel)
-    print("not called", [kernel.name for kernel in kernels if not kernel._calls])
+               decode.decode_plain, fa1.fa1_forward, _combine._merge_kernel, quantize.int8_rows)
+    print("not called", [kernel._pyfunc.__name__ for kernel in kernels if not kernel._calls])
     print("checked", all(isinstance(c, numba.core.registry.CPUDispatcher)
                          for kernel in kernels for c in kernel._calls.values()))
 """

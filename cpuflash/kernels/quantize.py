@@ -39,6 +39,7 @@ def _signature(_):
                       array(np.float32, 1), types.float32)
 
 
-# (no fastmath flags: with them the division became a multiply by the reciprocal, after the
-# helper was inlined)
-int8_rows = Kernel(_int8_rows, _signature, "quantization", parallel=False, fastmath=False)
+# No fastmath flags: with them the division became a multiply by the reciprocal, after the
+# helper was inlined. No compile notice: it compiles in 0.4 s (Zen 4), and the one line a
+# process gets belongs to the decoding kernel that a new token's quantization comes before.
+int8_rows = Kernel(_int8_rows, _signature, None, parallel=False, fastmath=False)
