@@ -357,7 +357,8 @@ class Kernel:
     (once per process); None for a kernel that compiles in under a second, which says nothing
     (it must not take the line from a kernel compiled after it).
     `fastmath`: the flags of `OPTIONS`, or False for IEEE arithmetic throughout (under the
-    flags, a helper compiled without them lost its IEEE division once inlined: `kernels.quantize`).
+    flags a division may become a multiply by the reciprocal, even one of a helper compiled
+    without them once it is inlined).
     """
 
     def __init__(self, pyfunc, signature, name, parallel=True, fastmath=FASTMATH):
