@@ -69,6 +69,19 @@ def _no_bf16_dot_reason():
             "than fma; CPUFLASH_BF16_DOT=1 takes it anyway")
 
 
+def _bf16_route():
+    from cpuflash import _amx, _simd
+
+    if _amx.TILES is not None:
+        return ("forward products on AMX tiles (tdpbf16ps), float32 accumulation and softmax, "
+                "P rounded to bfloat16; backward: " + (
+                    "vdpbf16ps" if _simd.BF16_DOT else "widened") + "; decode: widened")
+    if _simd.BF16_DOT:
+        return ("AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and softmax, P (and "
+                "the backward's dS) rounded to bfloat16; decode: widened")
+    return "widened to float32 (" + _no_bf16_dot_reason() + ")"
+
+
 def info_lines():
     """The lines `python -m cpuflash info` prints."""
     import llvmlite
@@ -76,7 +89,7 @@ def info_lines():
     import numpy as np
 
     import cpuflash
-    from cpuflash import _codegen, _simd, tiling
+    from cpuflash import _amx, _codegen, _simd, tiling
     from cpuflash._threads import threading_layer
 
     machine = cpuflash.cpu_info()
@@ -94,10 +107,8 @@ def info_lines():
                                        for level, name in _CACHE_NAMES.items() if level in caches)
         + f" (from {machine['cache_source']})",
         f"vector width:   {_simd.LANES_F32} float32 lanes ({_simd.LANES_F32 * 32}-bit)",
-        "bfloat16:       " + (
-            "AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and softmax, P (and "
-            "the backward's dS) rounded to bfloat16; decode: widened" if _simd.BF16_DOT else
-            "widened to float32 (" + _no_bf16_dot_reason() + ")"),
+        "bfloat16:       " + _bf16_route(),
+        f"AMX tiles:      {_amx.TILES or 'not used'} ({_amx.REASON})",
         "tiles (float32, cpuflash.choose_tiles; L1/L2 bytes of the tiling model):",
     ]
     for head_dim in (64, 128, 256):

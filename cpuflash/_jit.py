@@ -242,7 +242,7 @@ caching.IndexDataCacheFile = _LockedCacheFile  # read by Numba's `Cache` as it i
 
 # the files whose code is compiled into kernels (what the stamp must cover)
 _COMPILED_SOURCES = [pathlib.Path(_PACKAGE_DIR, name)
-                     for name in ("_jit.py", "_simd.py", "_combine.py")]
+                     for name in ("_jit.py", "_simd.py", "_amx.py", "_combine.py")]
 _COMPILED_SOURCES += pathlib.Path(_PACKAGE_DIR, "kernels").glob("*.py")
 _stamp = None
 
@@ -250,10 +250,11 @@ _stamp = None
 def _package_stamp():
     global _stamp
     if _stamp is None:
-        from . import _simd  # (imports this module: not at the top)
+        from . import _amx, _simd  # (imports this module: not at the top)
 
-        # the bfloat16 route is chosen in Python, not by the target Numba keys entries by
-        digest = hashlib.sha256(f"{numba.__version__} bf16-dot={_simd.BF16_DOT}".encode())
+        # the bfloat16 routes are chosen in Python, not by the target Numba keys entries by
+        digest = hashlib.sha256(
+            f"{numba.__version__} bf16-dot={_simd.BF16_DOT} amx={_amx.TILES}".encode())
         for path in sorted(_COMPILED_SOURCES):
             digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
             digest.update(path.read_bytes())

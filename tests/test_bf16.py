@@ -15,6 +15,7 @@ import pytest
 import cpuflash
 from accuracy import assert_close_to_reference, bf16_dot_reference
 from cpuflash import _simd
+from cpuflash.kernels import _pairs
 from cpuflash._simd import (vbroadcast_pair, vdot_pairs, vload, vload_pairs, vload_rows_bits,
                             vstore, vstore_bits, vstore_interleaved, vstore_pairs, vtranspose)
 from helpers import (cache_case, check_kvcache, check_varlen, explain, packed, run_python,
@@ -176,12 +177,12 @@ def test_strided_inputs_give_the_same_bits(rng):
 
 
 def test_pairs_path_rounds_p(rng):
-    """With AVX512-BF16, P is rounded to bfloat16 (the widening path equals the float32 kernel
-    on the widened inputs, rounded once)."""
+    """With AVX512-BF16 (or AMX tiles), P is rounded to bfloat16 (the widening path equals the
+    float32 kernel on the widened inputs, rounded once)."""
     q, k, v = random_bf16(rng, (1, 2, 100, 64), (1, 2, 100, 64), (1, 2, 100, 64))
     widened = cpuflash.attention(*(x.astype(np.float32) for x in (q, k, v))).astype(BF16)
     same = np.array_equal(bits(cpuflash.attention(q, k, v)), bits(widened))
-    assert same != _simd.BF16_DOT
+    assert same != _pairs.FORWARD_PAIRS
 
 
 def test_hidden_infinite_values_stay_hidden(rng):
@@ -192,6 +193,19 @@ def test_hidden_infinite_values_stay_hidden(rng):
     assert np.isfinite(out[0, 0, :40]).all() and not np.isfinite(out[0, 0, 40:]).all()
     assert np.isfinite(out[0, 1, :45]).all() and np.isnan(out[0, 1, 45:, 3]).all()
     assert np.isfinite(np.delete(out[0, 1, 45:], 3, axis=-1)).all()
+
+
+def test_hidden_infinite_value_of_an_earlier_block_stays_hidden(rng):
+    """A key hidden by the mask holds inf in the first key block; the second, shorter block
+    must not read it (the tiles of the last step pass the block's end)."""
+    q, k, v = random_bf16(rng, (1, 2, 30, 64), (1, 2, 100, 64), (1, 2, 100, 64))
+    mask = np.ones((30, 100), bool)
+    mask[:, 40] = False
+    hidden = v.copy()
+    hidden[0, :, 40] = np.inf
+    out = cpuflash.attention(q, k, hidden, mask=mask, tiles=(48, 64))
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_close_to_reference(out, q, k, v, mask=mask, plain=bf16_dot_reference)
 
 
 def test_bits_do_not_depend_on_threads(rng):
@@ -273,6 +287,7 @@ NO_BF16_SCRIPT = """
 import numpy as np, ml_dtypes
 import cpuflash
 from cpuflash import _simd
+from cpuflash.kernels import _pairs
 from cpuflash.__main__ import info_lines
 rng = np.random.default_rng(5)
 q, k, v = (rng.standard_normal((1, 2, 70, 59)).astype(ml_dtypes.bfloat16) for _ in range(3))

@@ -25,15 +25,20 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .. import _simd
+from .. import _amx, _simd
 from .._jit import HELPER_OPTIONS, jit
 from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_bits, \
     vload_pairs, vload_rows, vload_rows_bits, vstore, vstore_bits, vstore_interleaved, \
     vstore_pairs, vsub, vtranspose, vzeros
+from . import _tiles
 from ._convert import BFLOAT16, row_offset, vector_rows
 from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
+# Whether the forward's bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or
+# for AMX tiles (`_tiles`), which read the same layouts. The backward's only for `vdpbf16ps`.
+FORWARD_PAIRS = _simd.BF16_DOT or _amx.TILES is not None
+BACKWARD_PAIRS = _simd.BF16_DOT and _amx.TILES is None
 
 
 def _uses_pairs(buffer):
@@ -42,12 +47,14 @@ def _uses_pairs(buffer):
 
 def pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
     """``(q_pairs, k_pairs, v_pairs, p_pairs)`` of one thread: uint16 and zeroed for bfloat16
-    inputs where `_simd.BF16_DOT`; else empty, in `like`'s dtype (the kernel then widens)."""
+    inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then widens). For
+    AMX tiles the head dim is padded to whole tiles and P and the value pairs have room for a
+    step past the block's keys (`_tiles`)."""
 
 
 @overload(pair_buffers, jit_options=HELPER_OPTIONS)
 def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
-    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+    if not (FORWARD_PAIRS and q.dtype == types.uint16):
         # q_pairs shaped as the forward's q_tile (row groups), so that the untaken pairs branch
         # calls the tile steps with the float branch's types: one specialization, not two
         def empty(block_q, block_k, d, dv, q, like, half_kind):
@@ -55,14 +62,18 @@ def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
                     np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
         return empty
     width = 2 * _simd.LANES_F32
+    tiled = _amx.TILES is not None
+    dims, past = (_tiles.T, _tiles.STEP) if tiled else (1, 0)
 
     def pairs(block_q, block_k, d, dv, q, like, half_kind):
         if half_kind != BFLOAT16:
             block_q = block_k = d = dv = 0
         keys, dvp, dp = round_up(block_k, width), round_up(dv, width), (d + 1) // 2
+        dp = round_up(dp, dims)
         return (np.zeros((block_q, 2 * dp), np.uint16),
                 np.zeros((keys // width, dp, 2 * width), np.uint16),
-                np.zeros((keys // 2, 2 * dvp), np.uint16), np.zeros((block_q, keys), np.uint16))
+                np.zeros(((keys + past) // 2, 2 * dvp), np.uint16),
+                np.zeros((block_q, keys + past), np.uint16))
     return pairs
 
 
@@ -70,12 +81,12 @@ def backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
     """The backward's ``(q_pairs, do_pairs, k_panel_pairs, v_panel_pairs, k_row_pairs,
     ds_pairs)`` of one thread: Q and dO rows (for S and dP), K^T and V^T panels, K as pairs of
     rows (for dQ += dS K) and dS rounded; uint16 and zeroed for bfloat16 inputs where
-    `_simd.BF16_DOT`, else empty in `like`'s dtype (as `pair_buffers`)."""
+    `BACKWARD_PAIRS`, else empty in `like`'s dtype (as `pair_buffers`)."""
 
 
 @overload(backward_pair_buffers, jit_options=HELPER_OPTIONS)
 def _backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
-    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+    if not (BACKWARD_PAIRS and q.dtype == types.uint16):
         def empty(block_q, block_k, d, d_v, q, like, half_kind):
             return (np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype),
                     np.zeros((0, 0, 0), like.dtype), np.zeros((0, 0, 0), like.dtype),
@@ -99,12 +110,12 @@ def transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
     """The backward's ``(q_row_pairs, do_row_pairs, transposed, transposed_pairs)`` for dK +=
     dS^T Q and dV += P^T dO: Q and dO as pairs of query rows, and a float32 tile with its
     bfloat16 copy for P^T or dS^T, ``(keys, block_q rounded up to two vectors)``; uint16 (the
-    copy) and zeroed for bfloat16 where `_simd.BF16_DOT`, else empty in `like`'s dtype."""
+    copy) and zeroed for bfloat16 where `BACKWARD_PAIRS`, else empty in `like`'s dtype."""
 
 
 @overload(transposed_pair_buffers, jit_options=HELPER_OPTIONS)
 def _transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
-    if not (_simd.BF16_DOT and q.dtype == types.uint16):
+    if not (BACKWARD_PAIRS and q.dtype == types.uint16):
         def empty(block_q, block_k, d, d_v, q, like, half_kind):
             return (np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype),
                     np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
@@ -221,10 +232,13 @@ def pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
 def _pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
     if not _uses_pairs(k_pairs):
         return lambda k, v, b, h, start, cols, k_pairs, v_pairs: None
+    tiled = _amx.TILES is not None
 
     def pack(k, v, b, h, start, cols, k_pairs, v_pairs):
         _pack_keys(k, b, h, start, cols, k_pairs)
         _pack_values(v, b, h, start, cols, v_pairs)
+        if tiled:
+            _tiles.pack_value_tail(v_pairs, cols)
     return pack
 
 
@@ -239,7 +253,7 @@ def _pack_keys(k, b, h, start, cols, k_pairs):
         base, stride = row_offset(k, b, h, start), k.strides[2] // k.itemsize
         while c + n <= cols:
             out = c // w * dp * w2 + c % w * 2  # k_pairs[c // w, 0, 2 * (c % w)]
-            for x in range(0, dp, n):
+            for x in range(0, d // 2, n):  # (`dp` may be padded past the row's pairs)
                 block = vtranspose(vload_rows_bits(k, base + c * stride + 2 * x, stride))
                 for j in range(n):  # pair x + j of keys c .. c + n
                     vstore_bits(k_pairs, out + (x + j) * w2, block[j])
@@ -429,6 +443,9 @@ def pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_o
 def _pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
     if not _uses_pairs(v_pairs):
         return lambda scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off: None
+    if _amx.TILES is not None:
+        return lambda scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off: \
+            _tiles.pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off)
 
     def pv(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
         full = rows - rows % ROWS

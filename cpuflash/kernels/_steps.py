@@ -28,7 +28,7 @@ from numba import types
 from numba.extending import overload
 from numba.np.numpy_support import as_dtype
 
-from .. import _simd, tiling
+from .. import _amx, _simd, tiling
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
     vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
@@ -230,6 +230,12 @@ def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
 
 @overload(any_qk_tile, jit_options=HELPER_OPTIONS)
 def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+    if k_panels.dtype == types.uint16 and _amx.TILES is not None:
+        from ._tiles import qk_tiles
+
+        def tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+            qk_tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+        return tiles
     if k_panels.dtype == types.uint16:
         from ._pairs import qk_tile_pairs
 

@@ -1,0 +1,164 @@
+"""The forward's products on AMX tiles (`_amx`), for bfloat16 inputs: ``Q K^T`` and ``P V``
+on the pair layouts of `_pairs`, which are a tile's as they are.
+
+A ``tdpbf16ps`` multiplies an A tile, 16 rows of 32 bfloat16 numbers read row-major, by a B
+tile of 16 rows of 16 bfloat16 pairs, into a C tile of 16 x 16 float32. So:
+
+* ``Q K^T``: A is 16 rows of `q_pairs` and 32 of its head dims, B is 16 keys of a `k_pairs`
+  panel over 16 pairs of dims (rows ``w2`` elements apart), C a 16 x 16 block of the scores;
+  ``D`` is zero-padded to a multiple of 32 (`pair_buffers`).
+* ``P V``: A is 16 rows of `p_pairs` (P rounded to bfloat16) over 32 keys, B is 16 pairs of
+  `v_pairs` rows over 16 of the value's columns, C a 16 x 16 block of the accumulator, loaded,
+  added to and stored back.
+
+Each step covers 32 query rows by 32 columns in four C tiles (two A tiles and two B tiles per
+32 terms of the sum: oneDNN's blocking), fewer at a tile's edge. The scores are scaled after
+the products (in float32, as `_steps.qk_tile` scales the finished sums), and the accumulator is
+rescaled by alpha before ``P V`` adds to it. The float32 sums run over the whole head dim (or
+the block's keys) in one accumulator, not in chunks: bfloat16's rounding of the output, 2^-9,
+is far above what that costs.
+
+Past the keys of a block, the P columns a tile reads are 0 and the value pairs too (zeroed as
+they are packed: `pack_value_tail`), so stale numbers, inf or NaN, never meet a product.
+"""
+
+from .. import _simd
+from .._amx import tile_config, tile_dot, tile_file, tile_load, tile_release, tile_store, \
+    tile_zero
+from .._jit import jit
+from .._simd import vload, vmul, vsplat, vstore, vstore_bf16, vzeros
+from ._steps import _sees, round_up, row_span, scale_tile
+
+T = 16  # rows and columns of a tile
+STEP = 2 * T  # rows and columns a step covers, and terms of the sum an A tile holds
+
+
+@jit
+def qk_tiles(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
+    """scores[:rows, :cols] = mult * (Q @ K^T); blocks of 32 x 32 that no row sees are
+    skipped, their scores left for the band mask (as `_steps.qk_tile`)."""
+    tiles = tile_file()
+    dp, w2, qw, sw = k_pairs.shape[1], k_pairs.shape[2], q_pairs.shape[1], scores.shape[1]
+    w = w2 // 2
+    key_tiles = (cols + T - 1) // T
+    for r in range(0, rows, STEP):
+        m0, m1 = min(T, rows - r), min(T, max(0, rows - r - T))
+        tile_config(tiles, m0, m1)
+        for j in range(0, key_tiles, 2):
+            if not _sees(j // 2, STEP, r, m0 + m1, lo_off, hi_off):
+                continue
+            two = j + 1 < key_tiles
+            b0 = (T * j) // w * dp * w2 + (T * j) % w * 2  # key tile j: its panel and lane
+            b1 = (T * j + T) // w * dp * w2 + (T * j + T) % w * 2
+            tile_zero(tiles, 0)
+            if two:
+                tile_zero(tiles, 1)
+            if m1:
+                tile_zero(tiles, 2)
+                if two:
+                    tile_zero(tiles, 3)
+            for x in range(0, dp, T):
+                tile_load(tiles, 4, q_pairs, r * qw + 2 * x, qw)
+                tile_load(tiles, 6, k_pairs, b0 + x * w2, w2)
+                tile_dot(tiles, 0, 4, 6)
+                if two:
+                    tile_load(tiles, 7, k_pairs, b1 + x * w2, w2)
+                    tile_dot(tiles, 1, 4, 7)
+                if m1:
+                    tile_load(tiles, 5, q_pairs, (r + T) * qw + 2 * x, qw)
+                    tile_dot(tiles, 2, 5, 6)
+                    if two:
+                        tile_dot(tiles, 3, 5, 7)
+            o = r * sw + T * j
+            tile_store(tiles, 0, scores, o, sw)
+            if two:
+                tile_store(tiles, 1, scores, o + T, sw)
+            if m1:
+                tile_store(tiles, 2, scores, o + T * sw, sw)
+                if two:
+                    tile_store(tiles, 3, scores, o + T * sw + T, sw)
+    tile_release(tiles)
+    scale_tile(scores, rows, cols, mult, lo_off, hi_off)
+
+
+@jit
+def pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
+    """acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c], P (float32, from `softmax_update`)
+    rounded to bfloat16 over the keys each 32-row step reads (from an even key: a pair)."""
+    tiles = tile_file()
+    dvp, vw, pw = acc.shape[1], v_pairs.shape[1], p_pairs.shape[1]
+    for r in range(0, rows, STEP):
+        m0, m1 = min(T, rows - r), min(T, max(0, rows - r - T))
+        _rescale_rows(acc, alpha, r, r + m0 + m1)
+        key0, key1 = max(0, r + lo_off), min(cols, r + m0 + m1 + hi_off)
+        if key1 <= key0:
+            continue
+        c0 = key0 - key0 % 2
+        c1 = c0 + round_up(key1 - c0, STEP)
+        _round_probs(scores, p_pairs, r, r + m0 + m1, c0, c1, cols, lo_off, hi_off)
+        tile_config(tiles, m0, m1)
+        for x in range(0, dvp, STEP):
+            two = x + T < dvp
+            o = r * dvp + x
+            tile_load(tiles, 0, acc, o, dvp)
+            if two:
+                tile_load(tiles, 1, acc, o + T, dvp)
+            if m1:
+                tile_load(tiles, 2, acc, o + T * dvp, dvp)
+                if two:
+                    tile_load(tiles, 3, acc, o + T * dvp + T, dvp)
+            for c in range(c0, c1, STEP):
+                tile_load(tiles, 4, p_pairs, r * pw + c, pw)
+                tile_load(tiles, 6, v_pairs, c // 2 * vw + 2 * x, vw)
+                tile_dot(tiles, 0, 4, 6)
+                if two:
+                    tile_load(tiles, 7, v_pairs, c // 2 * vw + 2 * (x + T), vw)
+                    tile_dot(tiles, 1, 4, 7)
+                if m1:
+                    tile_load(tiles, 5, p_pairs, (r + T) * pw + c, pw)
+                    tile_dot(tiles, 2, 5, 6)
+                    if two:
+                        tile_dot(tiles, 3, 5, 7)
+            tile_store(tiles, 0, acc, o, dvp)
+            if two:
+                tile_store(tiles, 1, acc, o + T, dvp)
+            if m1:
+                tile_store(tiles, 2, acc, o + T * dvp, dvp)
+                if two:
+                    tile_store(tiles, 3, acc, o + T * dvp + T, dvp)
+        tile_release(tiles)
+
+
+@jit
+def _rescale_rows(acc, alpha, r0, r1):
+    """acc[r] *= alpha[r] for rows r0 .. r1 - 1 (whole vectors: acc's width is)."""
+    n = _simd.LANES_F32
+    dvp = acc.shape[1]
+    for r in range(r0, r1):
+        a = vsplat(alpha[r], acc)
+        for x in range(0, dvp, n):
+            vstore(acc, r * dvp + x, vmul(a, vload(acc, r * dvp + x)))
+
+
+@jit
+def _round_probs(scores, p_pairs, r0, r1, c0, c1, cols, lo_off, hi_off):
+    """p_pairs[r, c0:c1] = P rounded to bfloat16 on row r's span (`row_span`, where
+    `softmax_update` left P) and 0 elsewhere, for rows r0 .. r1 - 1, in whole vectors from the
+    one that holds c0."""
+    n = _simd.LANES_F32
+    sw, pw = scores.shape[1], p_pairs.shape[1]
+    zeros = vzeros(scores)
+    for r in range(r0, r1):
+        first, end = row_span(r, cols, lo_off, hi_off, n)
+        for c in range(c0 // n * n, round_up(c1, n), n):
+            inside = first <= c < end
+            vstore_bf16(p_pairs, r * pw + c, vload(scores, r * sw + c) if inside else zeros)
+
+
+@jit
+def pack_value_tail(v_pairs, cols):
+    """Zero the 16 value pairs after the first ``ceil(cols / 2)`` of `v_pairs` (those the last
+    step of `pv_tiles` reads past the block's keys), where `v_pairs` has them."""
+    for c in range((cols + 1) // 2, min(v_pairs.shape[0], (cols + 1) // 2 + T)):
+        for x in range(v_pairs.shape[1]):
+            v_pairs[c, x] = 0
