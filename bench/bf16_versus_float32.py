@@ -2,9 +2,9 @@
 
     python bench/bf16_versus_float32.py [--repeats 5] [--quick] [--backward]
 
-For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (the AVX512-BF16 dot
-products where the CPU has them, else widened to float32: the line `bfloat16:` of
-`python -m cpuflash info` says which), and torch's `scaled_dot_product_attention` on bfloat16
+For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (AMX tiles with
+``CPUFLASH_AMX=1`` on a CPU that has them, the AVX512-BF16 dot products where they pay, else
+widened to float32: the line `bfloat16:` of `python -m cpuflash info` says which), and torch's `scaled_dot_product_attention` on bfloat16
 tensors. Prints GFLOP/s (4 * B * H * visible pairs * D per call) and the ratios. The bfloat16
 output is checked against the float32 one first (a loose bound: bfloat16 inputs and P).
 With `--backward`, also cpuflash's backward (`attention_backward`) on float32 against bfloat16,
@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 import cpuflash
-from cpuflash import _simd
+from cpuflash import _amx, _simd
 
 import runner  # bench/runner.py
 
@@ -83,7 +83,8 @@ def main(argv=None):
     parser.add_argument("--backward", action="store_true", help="the backward too")
     args = parser.parse_args(argv)
     threads = runner.match_torch_threads()
-    path = "vdpbf16ps" if _simd.BF16_DOT else "widened to float32"
+    path = ("AMX tiles (%s)" % _amx.TILES if _amx.TILES is not None
+            else "vdpbf16ps" if _simd.BF16_DOT else "widened to float32")
     print(f"{threads} threads, best of {args.repeats} interleaved rounds; cpuflash bfloat16: "
           f"{path}")
     print("| case | cpuflash fp32 GFLOP/s | cpuflash bf16 GFLOP/s | torch bf16 GFLOP/s "

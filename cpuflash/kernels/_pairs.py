@@ -35,10 +35,11 @@ from ._convert import BFLOAT16, row_offset, vector_rows
 from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
-# Whether the forward's bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or
-# for AMX tiles (`_tiles`), which read the same layouts. The backward's only for `vdpbf16ps`.
-FORWARD_PAIRS = _simd.BF16_DOT or _amx.TILES is not None
-BACKWARD_PAIRS = _simd.BF16_DOT and _amx.TILES is None
+# Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
+# (`_tiles`), which read the same layouts, padded: the head dims to whole tiles (`DIMS` pairs),
+# and the operands of `pv_tile_pairs` with room for a step past the last key (`PAST`).
+FORWARD_PAIRS = BACKWARD_PAIRS = _simd.BF16_DOT or _amx.TILES is not None
+DIMS, PAST = (_tiles.T, _tiles.STEP) if _amx.TILES is not None else (1, 0)
 
 
 def _uses_pairs(buffer):
@@ -47,9 +48,8 @@ def _uses_pairs(buffer):
 
 def pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
     """``(q_pairs, k_pairs, v_pairs, p_pairs)`` of one thread: uint16 and zeroed for bfloat16
-    inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then widens). For
-    AMX tiles the head dim is padded to whole tiles and P and the value pairs have room for a
-    step past the block's keys (`_tiles`)."""
+    inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then widens),
+    padded for AMX tiles (`DIMS`, `PAST`)."""
 
 
 @overload(pair_buffers, jit_options=HELPER_OPTIONS)
@@ -62,18 +62,16 @@ def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
                     np.zeros((0, 0), like.dtype), np.zeros((0, 0), like.dtype))
         return empty
     width = 2 * _simd.LANES_F32
-    tiled = _amx.TILES is not None
-    dims, past = (_tiles.T, _tiles.STEP) if tiled else (1, 0)
 
     def pairs(block_q, block_k, d, dv, q, like, half_kind):
         if half_kind != BFLOAT16:
             block_q = block_k = d = dv = 0
         keys, dvp, dp = round_up(block_k, width), round_up(dv, width), (d + 1) // 2
-        dp = round_up(dp, dims)
+        dp = round_up(dp, DIMS)
         return (np.zeros((block_q, 2 * dp), np.uint16),
                 np.zeros((keys // width, dp, 2 * width), np.uint16),
-                np.zeros(((keys + past) // 2, 2 * dvp), np.uint16),
-                np.zeros((block_q, keys + past), np.uint16))
+                np.zeros(((keys + PAST) // 2, 2 * dvp), np.uint16),
+                np.zeros((block_q, keys + PAST), np.uint16))
     return pairs
 
 
@@ -97,12 +95,14 @@ def _backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
     def pairs(block_q, block_k, d, d_v, q, like, half_kind):
         if half_kind != BFLOAT16:
             block_q = block_k = d = d_v = 0
-        keys, dp, dvp = round_up(block_k, width), (d + 1) // 2, (d_v + 1) // 2
+        keys = round_up(block_k, width)
+        dp, dvp = round_up((d + 1) // 2, DIMS), round_up((d_v + 1) // 2, DIMS)
         u2 = np.uint16
         return (np.zeros((block_q, 2 * dp), u2), np.zeros((block_q, 2 * dvp), u2),
                 np.zeros((keys // width, dp, 2 * width), u2),
                 np.zeros((keys // width, dvp, 2 * width), u2),
-                np.zeros((keys // 2, 2 * round_up(d, width)), u2), np.zeros((block_q, keys), u2))
+                np.zeros(((keys + PAST) // 2, 2 * round_up(d, width)), u2),
+                np.zeros((block_q, keys + PAST), u2))
     return pairs
 
 
@@ -126,9 +126,9 @@ def _transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
         if half_kind != BFLOAT16:
             block_q = block_k = d = d_v = 0
         keys, rows = round_up(block_k, width), round_up(block_q, width)
-        return (np.zeros((rows // 2, 2 * round_up(d, width)), np.uint16),
-                np.zeros((rows // 2, 2 * round_up(d_v, width)), np.uint16),
-                np.zeros((keys, rows), np.float32), np.zeros((keys, rows), np.uint16))
+        return (np.zeros(((rows + PAST) // 2, 2 * round_up(d, width)), np.uint16),
+                np.zeros(((rows + PAST) // 2, 2 * round_up(d_v, width)), np.uint16),
+                np.zeros((keys, rows), np.float32), np.zeros((keys, rows + PAST), np.uint16))
     return pairs
 
 
@@ -195,7 +195,13 @@ def pack_row_pairs(v, b, h, start, cols, v_pairs):
 def _pack_row_pairs(v, b, h, start, cols, v_pairs):
     if not _uses_pairs(v_pairs):
         return lambda v, b, h, start, cols, v_pairs: None
-    return lambda v, b, h, start, cols, v_pairs: _pack_values(v, b, h, start, cols, v_pairs)
+    tiled = _amx.TILES is not None
+
+    def pack(v, b, h, start, cols, v_pairs):
+        _pack_values(v, b, h, start, cols, v_pairs)
+        if tiled:
+            _tiles.pack_value_tail(v_pairs, cols)
+    return pack
 
 
 def pack_query_pairs(q, b, h, start, rows, q_pairs):
