@@ -111,11 +111,16 @@ def _cpu_model_has_avx512bf16(cpu_name):
 def _target_has_avx512bf16(cpu_name, features):
     """Whether Numba, given `NUMBA_CPU_NAME` and `NUMBA_CPU_FEATURES`, compiles for AVX512-BF16
     with 512-bit vectors: the rule of `_target_has_avx512f` (the host's features for the host,
-    else an explicit feature string, else LLVM's model of the named CPU), and AVX-512F too."""
+    else an explicit feature string, else LLVM's model of the named CPU), and AVX-512F too.
+    Without an explicit feature string Numba passes the host's, which overrides the named CPU's
+    model: a named CPU's AVX512-BF16 counts only where the host has it too (LLVM aborts on the
+    intrinsics otherwise)."""
     if not _target_has_avx512f(cpu_name, features):
         return False
-    if cpu_name in (None, "host") and features is None:
-        return "+avx512bf16" in codegen.get_host_cpu_features().split(",")
+    if features is None:
+        on_host = "+avx512bf16" in codegen.get_host_cpu_features().split(",")
+        if cpu_name in (None, "host") or not on_host:
+            return on_host
     flags = features.split(",") if features else []
     if "+avx512bf16" in flags or "-avx512bf16" in flags:
         return "+avx512bf16" in flags

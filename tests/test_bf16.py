@@ -88,7 +88,9 @@ def test_pair_moves(rng):
     "cpu_name, features, expected",
     [
         ("znver4", "", True),
-        ("sapphirerapids", None, True),  # LLVM's model of the named CPU decides
+        # LLVM's model of the named CPU decides, where the host has the feature too (Numba
+        # passes the host's features, which override the model's)
+        ("sapphirerapids", None, "host"),
         ("skylake-avx512", None, False),
         ("skylake-avx512", "+avx512bf16", True),
         ("znver4", "+avx512f,-avx512bf16", False),
@@ -99,7 +101,21 @@ def test_pair_moves(rng):
 def test_target_bf16_rule(cpu_name, features, expected):
     if not X86:
         pytest.skip("x86 CPU names")
+    if expected == "host":
+        from numba.core import codegen
+        expected = "+avx512bf16" in codegen.get_host_cpu_features().split(",")
     assert _simd._target_has_avx512bf16(cpu_name, features) is expected
+
+
+def test_named_cpu_on_a_host_without_bf16(monkeypatch):
+    """NUMBA_CPU_NAME names a CPU with AVX512-BF16 on a host without it (and no feature string):
+    Numba compiles with the host's features, so no pairs (their intrinsics would abort LLVM)."""
+    if not X86:
+        pytest.skip("x86 CPU names")
+    monkeypatch.setattr(_simd.codegen, "get_host_cpu_features",
+                        lambda: "+avx2,+avx512f,-avx512bf16")
+    assert _simd._target_has_avx512bf16("sapphirerapids", None) is False
+    assert _simd._target_has_avx512bf16("sapphirerapids", "+avx512bf16") is True
 
 
 def test_host_rule_matches_the_host():
