@@ -147,8 +147,9 @@ def _bf16_dot_pays(cpu_name, forced):
 
 # Whether the compile target has AVX512-BF16 with 512-bit vectors (decided before anything is
 # compiled: see `_BF16_PROBE_IR`), and whether bfloat16 inputs take the dot-product kernels on it.
-# Where BF16_DOT is False, `vdot_pairs` and `vstore_pairs` compile to plain float32 code with
-# the same results on normal numbers, and the kernels widen bfloat16 instead.
+# Where BF16_DOT is False, `vdot_pairs` compiles to plain float32 code with the same results on
+# normal numbers (and `vstore_pairs` to integer rounding, where BF16_ISA is False too), and the
+# kernels widen bfloat16 instead, unless they take AMX tiles (`_amx`).
 BF16_ISA = _target_has_avx512bf16(config.CPU_NAME, config.CPU_FEATURES)
 BF16_DOT = BF16_ISA and _bf16_dot_pays(config.CPU_NAME, os.environ.get("CPUFLASH_BF16_DOT"))
 
@@ -947,7 +948,7 @@ def vdot_pairs(typingctx, acc, a, b):
 @intrinsic
 def vstore_pairs(typingctx, arr, i, lo, hi):
     """Store float32 vectors `lo` then `hi` into ``arr[i : i + 2 * lanes]`` as bfloat16 bits,
-    rounded to nearest even (`vcvtne2ps2bf16` where `BF16_DOT`, which flushes subnormals to 0;
+    rounded to nearest even (`vcvtne2ps2bf16` where `BF16_ISA`, which flushes subnormals to 0;
     `vstore_bf16`'s rounding elsewhere)."""
     _bits_array(arr, "arr", writable=True)
     _check_index(i)
@@ -958,7 +959,7 @@ def vstore_pairs(typingctx, arr, i, lo, hi):
     def codegen(context, builder, sig, args):
         n = vec.lanes
         bits_type = ir.VectorType(ir.IntType(16), 2 * n)
-        if BF16_DOT:
+        if BF16_ISA:
             fn = _declare(builder, "llvm.x86.avx512bf16.cvtne2ps2bf16.512", bits_type,
                           [args[2].type, args[3].type])
             bits = builder.call(fn, [args[3], args[2]])  # lanes 0 .. n - 1 from the second

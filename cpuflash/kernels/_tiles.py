@@ -26,8 +26,8 @@ from .. import _simd
 from .._amx import tile_config, tile_dot, tile_file, tile_load, tile_release, tile_store, \
     tile_zero
 from .._jit import jit
-from .._simd import vload, vmul, vsplat, vstore, vstore_bf16, vzeros
-from ._steps import _sees, round_up, row_span, scale_tile
+from .._simd import vload, vmul, vsplat, vstore, vstore_pairs, vzeros
+from ._steps import _sees, round_up, row_span
 
 T = 16  # rows and columns of a tile
 STEP = 2 * T  # rows and columns a step covers, and terms of the sum an A tile holds
@@ -77,8 +77,22 @@ def qk_tiles(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
                 tile_store(tiles, 2, scores, o + T * sw, sw)
                 if two:
                     tile_store(tiles, 3, scores, o + T * sw + T, sw)
+            _scale_block(scores, o, m0 + m1, T * 2 if two else T, mult)
     tile_release(tiles)
-    scale_tile(scores, rows, cols, mult, lo_off, hi_off)
+
+
+@jit
+def _scale_block(scores, o, n_rows, width, mult):
+    """scores[r, c] *= mult for the `n_rows` x `width` block at flat offset `o`, while the tiles
+    just stored are in L1 (a pass of its own over the scores, after the products, reads them
+    back from L2: 10% of the non-product time, Zen 4). Columns no row sees are scaled too:
+    the band mask or the softmax overwrites them."""
+    n = _simd.LANES_F32
+    sw = scores.shape[1]
+    m = vsplat(mult, scores)
+    for r in range(n_rows):
+        for c in range(0, width, n):
+            vstore(scores, o + r * sw + c, vmul(m, vload(scores, o + r * sw + c)))
 
 
 @jit
@@ -131,10 +145,13 @@ def pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
 
 @jit
 def _rescale_rows(acc, alpha, r0, r1):
-    """acc[r] *= alpha[r] for rows r0 .. r1 - 1 (whole vectors: acc's width is)."""
+    """acc[r] *= alpha[r] for rows r0 .. r1 - 1 (whole vectors: acc's width is), but not by 1
+    (the running max did not move: most key blocks after the first; a NaN alpha is not 1)."""
     n = _simd.LANES_F32
     dvp = acc.shape[1]
     for r in range(r0, r1):
+        if alpha[r] == 1.0:
+            continue
         a = vsplat(alpha[r], acc)
         for x in range(0, dvp, n):
             vstore(acc, r * dvp + x, vmul(a, vload(acc, r * dvp + x)))
@@ -143,16 +160,17 @@ def _rescale_rows(acc, alpha, r0, r1):
 @jit
 def _round_probs(scores, p_pairs, r0, r1, c0, c1, cols, lo_off, hi_off):
     """p_pairs[r, c0:c1] = P rounded to bfloat16 on row r's span (`row_span`, where
-    `softmax_update` left P) and 0 elsewhere, for rows r0 .. r1 - 1, in whole vectors from the
-    one that holds c0."""
+    `softmax_update` left P) and 0 elsewhere, for rows r0 .. r1 - 1, two vectors at a time
+    (one `vcvtne2ps2bf16` with AVX512-BF16) from the pair of vectors that holds c0."""
     n = _simd.LANES_F32
     sw, pw = scores.shape[1], p_pairs.shape[1]
     zeros = vzeros(scores)
     for r in range(r0, r1):
         first, end = row_span(r, cols, lo_off, hi_off, n)
-        for c in range(c0 // n * n, round_up(c1, n), n):
-            inside = first <= c < end
-            vstore_bf16(p_pairs, r * pw + c, vload(scores, r * sw + c) if inside else zeros)
+        for c in range(c0 // (2 * n) * (2 * n), round_up(c1, 2 * n), 2 * n):
+            lo = vload(scores, r * sw + c) if first <= c < end else zeros
+            hi = vload(scores, r * sw + c + n) if first <= c + n < end else zeros
+            vstore_pairs(p_pairs, r * pw + c, lo, hi)
 
 
 @jit
