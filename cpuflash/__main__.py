@@ -73,9 +73,8 @@ def _bf16_route():
     from cpuflash import _amx, _simd
 
     if _amx.TILES is not None:
-        return ("forward products on AMX tiles (tdpbf16ps), float32 accumulation and softmax, "
-                "P rounded to bfloat16; backward: " + (
-                    "vdpbf16ps" if _simd.BF16_DOT else "widened") + "; decode: widened")
+        return ("products on AMX tiles (tdpbf16ps), float32 accumulation and softmax, P (and "
+                "the backward's dS) rounded to bfloat16; decode: widened")
     if _simd.BF16_DOT:
         return ("AVX512-BF16 dot products (vdpbf16ps), float32 accumulation and softmax, P (and "
                 "the backward's dS) rounded to bfloat16; decode: widened")

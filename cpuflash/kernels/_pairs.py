@@ -17,8 +17,9 @@ K^T) or the keys (for P V) are zero-padded to a whole number of pairs:
 The float32 tiles of `_steps` hold the scores and the accumulator as before, so the score
 modifiers, the softmax and the last step are shared. Each step here is a no-op for buffers that
 are not uint16: the kernels are compiled for every dtype with these calls in a branch that only
-bfloat16 on a CPU with AVX512-BF16 takes (`pair_buffers` gives the other dtypes empty float
-buffers, so nothing new is compiled for them).
+bfloat16 on a CPU with AVX512-BF16 (or AMX tiles) takes (`pair_buffers` gives the other dtypes
+empty float buffers, so nothing new is compiled for them). On AMX tiles, ``Q K^T`` and ``P V``
+are `_tiles`' steps on these layouts.
 """
 
 import numpy as np
@@ -200,7 +201,7 @@ def _pack_row_pairs(v, b, h, start, cols, v_pairs):
     def pack(v, b, h, start, cols, v_pairs):
         _pack_values(v, b, h, start, cols, v_pairs)
         if tiled:
-            _tiles.pack_value_tail(v_pairs, cols)
+            _tiles.zero_pairs_past(v_pairs, cols)
     return pack
 
 
@@ -244,7 +245,7 @@ def _pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
         _pack_keys(k, b, h, start, cols, k_pairs)
         _pack_values(v, b, h, start, cols, v_pairs)
         if tiled:
-            _tiles.pack_value_tail(v_pairs, cols)
+            _tiles.zero_pairs_past(v_pairs, cols)
     return pack
 
 

@@ -1,5 +1,6 @@
-"""The forward's products on AMX tiles (`_amx`), for bfloat16 inputs: ``Q K^T`` and ``P V``
-on the pair layouts of `_pairs`, which are a tile's as they are.
+"""Products on AMX tiles (`_amx`), for bfloat16 inputs: ``Q K^T`` and ``P V`` on the pair
+layouts of `_pairs`, which are a tile's as they are. The backward's five products take the same
+two steps (`_pairs.tn_tile_pairs` turns ``P^T dO`` and ``dS^T Q`` into ``P V``'s form).
 
 A ``tdpbf16ps`` multiplies an A tile, 16 rows of 32 bfloat16 numbers read row-major, by a B
 tile of 16 rows of 16 bfloat16 pairs, into a C tile of 16 x 16 float32. So:
@@ -12,14 +13,14 @@ tile of 16 rows of 16 bfloat16 pairs, into a C tile of 16 x 16 float32. So:
   added to and stored back.
 
 Each step covers 32 query rows by 32 columns in four C tiles (two A tiles and two B tiles per
-32 terms of the sum: oneDNN's blocking), fewer at a tile's edge. The scores are scaled after
-the products (in float32, as `_steps.qk_tile` scales the finished sums), and the accumulator is
-rescaled by alpha before ``P V`` adds to it. The float32 sums run over the whole head dim (or
+32 terms of the sum, the 2 x 2 blocking of AMX GEMMs), fewer at a tile's edge. A step's scores
+are scaled as soon as its tiles are stored (in float32, as `_steps.qk_tile` scales the finished
+sums), and the accumulator is rescaled by alpha before ``P V`` adds to it. The float32 sums run over the whole head dim (or
 the block's keys) in one accumulator, not in chunks: bfloat16's rounding of the output, 2^-9,
 is far above what that costs.
 
 Past the keys of a block, the P columns a tile reads are 0 and the value pairs too (zeroed as
-they are packed: `pack_value_tail`), so stale numbers, inf or NaN, never meet a product.
+they are packed: `zero_pairs_past`), so stale numbers, inf or NaN, never meet a product.
 """
 
 from .. import _simd
@@ -174,9 +175,10 @@ def _round_probs(scores, p_pairs, r0, r1, c0, c1, cols, lo_off, hi_off):
 
 
 @jit
-def pack_value_tail(v_pairs, cols):
-    """Zero the 16 value pairs after the first ``ceil(cols / 2)`` of `v_pairs` (those the last
-    step of `pv_tiles` reads past the block's keys), where `v_pairs` has them."""
+def zero_pairs_past(v_pairs, cols):
+    """Zero the 16 pairs of rows after the first ``ceil(cols / 2)`` of `v_pairs` (values, or
+    keys or queries for the backward: those the last step of `pv_tiles` reads past the packed
+    rows), where `v_pairs` has them."""
     for c in range((cols + 1) // 2, min(v_pairs.shape[0], (cols + 1) // 2 + T)):
         for x in range(v_pairs.shape[1]):
             v_pairs[c, x] = 0

@@ -37,8 +37,9 @@ The tiles are laid out as the forward's (`_steps`): rows are query rows in both 
 score pipeline is the forward's steps in the forward's orientation, and the products that sum
 over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile transposed.
 
-bfloat16 inputs where the dot products pay (`_simd.BF16_DOT`): the five products are
-bfloat16 dot products with float32 accumulation (`_pairs`), P and dS rounded to bfloat16 before
+bfloat16 inputs where the dot products pay (`_simd.BF16_DOT`) or on AMX tiles (`_amx.TILES`):
+the five products are bfloat16 dot products with float32 accumulation (`_pairs`, whose two
+product steps are `_tiles`' on AMX), P and dS rounded to bfloat16 before
 the products that take them (as flash-attn does on GPUs); dV and dK read P and dS transposed, so
 that the pairs run along the query rows. The exact steps for non-finite operands stay float32.
 
