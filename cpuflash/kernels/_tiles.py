@@ -51,33 +51,12 @@ def qk_tiles(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
             two = j + 1 < key_tiles
             b0 = (T * j) // w * dp * w2 + (T * j) % w * 2  # key tile j: its panel and lane
             b1 = (T * j + T) // w * dp * w2 + (T * j + T) % w * 2
-            tile_zero(tiles, 0)
-            if two:
-                tile_zero(tiles, 1)
-            if m1:
-                tile_zero(tiles, 2)
-                if two:
-                    tile_zero(tiles, 3)
+            _zero_block(tiles, m1, two)
             for x in range(0, dp, T):
-                tile_load(tiles, 4, q_pairs, r * qw + 2 * x, qw)
-                tile_load(tiles, 6, k_pairs, b0 + x * w2, w2)
-                tile_dot(tiles, 0, 4, 6)
-                if two:
-                    tile_load(tiles, 7, k_pairs, b1 + x * w2, w2)
-                    tile_dot(tiles, 1, 4, 7)
-                if m1:
-                    tile_load(tiles, 5, q_pairs, (r + T) * qw + 2 * x, qw)
-                    tile_dot(tiles, 2, 5, 6)
-                    if two:
-                        tile_dot(tiles, 3, 5, 7)
+                _dot_step(tiles, q_pairs, r * qw + 2 * x, qw, k_pairs, b0 + x * w2, b1 + x * w2,
+                          w2, m1, two)
             o = r * sw + T * j
-            tile_store(tiles, 0, scores, o, sw)
-            if two:
-                tile_store(tiles, 1, scores, o + T, sw)
-            if m1:
-                tile_store(tiles, 2, scores, o + T * sw, sw)
-                if two:
-                    tile_store(tiles, 3, scores, o + T * sw + T, sw)
+            _store_block(tiles, scores, o, sw, m1, two)
             _scale_block(scores, o, m0 + m1, T * 2 if two else T, mult)
     tile_release(tiles)
 
@@ -115,33 +94,65 @@ def pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
         for x in range(0, dvp, STEP):
             two = x + T < dvp
             o = r * dvp + x
-            tile_load(tiles, 0, acc, o, dvp)
-            if two:
-                tile_load(tiles, 1, acc, o + T, dvp)
-            if m1:
-                tile_load(tiles, 2, acc, o + T * dvp, dvp)
-                if two:
-                    tile_load(tiles, 3, acc, o + T * dvp + T, dvp)
+            _load_block(tiles, acc, o, dvp, m1, two)
             for c in range(c0, c1, STEP):
-                tile_load(tiles, 4, p_pairs, r * pw + c, pw)
-                tile_load(tiles, 6, v_pairs, c // 2 * vw + 2 * x, vw)
-                tile_dot(tiles, 0, 4, 6)
-                if two:
-                    tile_load(tiles, 7, v_pairs, c // 2 * vw + 2 * (x + T), vw)
-                    tile_dot(tiles, 1, 4, 7)
-                if m1:
-                    tile_load(tiles, 5, p_pairs, (r + T) * pw + c, pw)
-                    tile_dot(tiles, 2, 5, 6)
-                    if two:
-                        tile_dot(tiles, 3, 5, 7)
-            tile_store(tiles, 0, acc, o, dvp)
-            if two:
-                tile_store(tiles, 1, acc, o + T, dvp)
-            if m1:
-                tile_store(tiles, 2, acc, o + T * dvp, dvp)
-                if two:
-                    tile_store(tiles, 3, acc, o + T * dvp + T, dvp)
+                _dot_step(tiles, p_pairs, r * pw + c, pw, v_pairs, c // 2 * vw + 2 * x,
+                          c // 2 * vw + 2 * (x + T), vw, m1, two)
+            _store_block(tiles, acc, o, dvp, m1, two)
         tile_release(tiles)
+
+
+# -- a step's four C tiles (rows 0..15 and 16..31 of the step as m0 and m1 rows; columns
+# 0..15, and 16..31 where `two`)
+
+@jit
+def _zero_block(tiles, m1, two):
+    tile_zero(tiles, 0)
+    if two:
+        tile_zero(tiles, 1)
+    if m1:
+        tile_zero(tiles, 2)
+        if two:
+            tile_zero(tiles, 3)
+
+
+@jit
+def _load_block(tiles, arr, o, stride, m1, two):
+    tile_load(tiles, 0, arr, o, stride)
+    if two:
+        tile_load(tiles, 1, arr, o + T, stride)
+    if m1:
+        tile_load(tiles, 2, arr, o + T * stride, stride)
+        if two:
+            tile_load(tiles, 3, arr, o + T * stride + T, stride)
+
+
+@jit
+def _store_block(tiles, arr, o, stride, m1, two):
+    tile_store(tiles, 0, arr, o, stride)
+    if two:
+        tile_store(tiles, 1, arr, o + T, stride)
+    if m1:
+        tile_store(tiles, 2, arr, o + T * stride, stride)
+        if two:
+            tile_store(tiles, 3, arr, o + T * stride + T, stride)
+
+
+@jit
+def _dot_step(tiles, a, a0, aw, b, b0, b1, bw, m1, two):
+    """32 terms of the sums into the C tiles: A tiles of rows from a[a0] and a[a0 + 16 aw]
+    (`aw` apart), B tiles from b[b0] and b[b1] (`bw` apart)."""
+    tile_load(tiles, 4, a, a0, aw)
+    tile_load(tiles, 6, b, b0, bw)
+    tile_dot(tiles, 0, 4, 6)
+    if two:
+        tile_load(tiles, 7, b, b1, bw)
+        tile_dot(tiles, 1, 4, 7)
+    if m1:
+        tile_load(tiles, 5, a, a0 + T * aw, aw)
+        tile_dot(tiles, 2, 5, 6)
+        if two:
+            tile_dot(tiles, 3, 5, 7)
 
 
 @jit
