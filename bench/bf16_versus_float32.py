@@ -3,10 +3,11 @@
     python bench/bf16_versus_float32.py [--repeats 5] [--quick] [--backward]
 
 For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (AMX tiles with
-``CPUFLASH_AMX=1`` on a CPU that has them, the AVX512-BF16 dot products where they pay, else
-widened to float32: the line `bfloat16:` of `python -m cpuflash info` says which), and torch's `scaled_dot_product_attention` on bfloat16
-tensors. Prints GFLOP/s (4 * B * H * visible pairs * D per call) and the ratios. The bfloat16
-output is checked against the float32 one first (a loose bound: bfloat16 inputs and P).
+``CPUFLASH_AMX=1`` on a CPU that has them, the AVX512-BF16 dot products where they pay, else widened
+to float32: the line `bfloat16:` of `python -m cpuflash info` says which), and torch's
+`scaled_dot_product_attention` on bfloat16 tensors. Prints GFLOP/s (4 * B * H * visible pairs * D
+per call) and the ratios. The bfloat16 output is checked against the float32 one first (a loose
+bound: bfloat16 inputs and P).
 With `--backward`, also cpuflash's backward (`attention_backward`) on float32 against bfloat16,
 at N/2 (its own table).
 """

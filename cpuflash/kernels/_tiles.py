@@ -12,12 +12,12 @@ tile of 16 rows of 16 bfloat16 pairs, into a C tile of 16 x 16 float32. So:
   `v_pairs` rows over 16 of the value's columns, C a 16 x 16 block of the accumulator, loaded,
   added to and stored back.
 
-Each step covers 32 query rows by 32 columns in four C tiles (two A tiles and two B tiles per
-32 terms of the sum, the 2 x 2 blocking of AMX GEMMs), fewer at a tile's edge. A step's scores
-are scaled as soon as its tiles are stored (in float32, as `_steps.qk_tile` scales the finished
-sums), and the accumulator is rescaled by alpha before ``P V`` adds to it. The float32 sums run over the whole head dim (or
-the block's keys) in one accumulator, not in chunks: bfloat16's rounding of the output, 2^-9,
-is far above what that costs.
+Each step covers 32 query rows by 32 columns in four C tiles (two A tiles and two B tiles per 32
+terms of the sum, the 2 x 2 blocking of AMX GEMMs), fewer at a tile's edge. A step's scores are
+scaled as soon as its tiles are stored (in float32, as `_steps.qk_tile` scales the finished sums),
+and the accumulator is rescaled by alpha before ``P V`` adds to it. The float32 sums run over the
+whole head dim (or the block's keys) in one accumulator, not in chunks: bfloat16's rounding of the
+output, 2^-9, is far above what that costs.
 
 Past the keys of a block, the P columns a tile reads are 0 and the value pairs too (zeroed as
 they are packed: `zero_pairs_past`), so stale numbers, inf or NaN, never meet a product.
