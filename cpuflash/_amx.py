@@ -244,37 +244,62 @@ def _stride_bytes(context, builder, arrty, stride, sty):
     return builder.mul(items, ir.Constant(_I64, arrty.dtype.bitwidth // 8))
 
 
+def _write_config(context, builder, base, sig, args):
+    """The 64 bytes `ldtilecfg` reads, at `base`, for rows `args` = (m0, m1): palette 1 at byte
+    0, tile t's bytes per row (u16) at 16 + 2 t and its rows (u8) at 48 + t, the rest 0."""
+    cgutils.memset(builder, base, ir.Constant(_I64, 64), 0)
+
+    def put(offset, value, ty):
+        at = builder.bitcast(builder.gep(base, [ir.Constant(_I64, offset)]), ty.as_pointer())
+        builder.store(value if isinstance(value, ir.Value) else ir.Constant(ty, value), at)
+
+    put(0, 1, _I8)  # palette 1
+    rows0 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), _I8)
+    rows1 = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I8)
+    colsb1 = builder.select(builder.icmp_unsigned("!=", rows1, ir.Constant(_I8, 0)),
+                            ir.Constant(_I16, 64), ir.Constant(_I16, 0))
+    for t, rows in ((_C0, rows0), (_C1, rows0), (_A0, rows0)):
+        put(16 + 2 * t, 64, _I16)
+        put(48 + t, rows, _I8)
+    for t, rows in ((_C2, rows1), (_C3, rows1), (_A1, rows1)):
+        put(16 + 2 * t, colsb1, _I16)
+        put(48 + t, rows, _I8)
+    for t in (_B0, _B1):
+        put(16 + 2 * t, 64, _I16)
+        put(48 + t, ROWS, _I8)
+
+
+def _check_rows_args(m0, m1):
+    if not (isinstance(m0, types.Integer) and isinstance(m1, types.Integer)):
+        raise errors.TypingError("`m0` and `m1` must be integers, got %s, %s" % (m0, m1))
+
+
 @intrinsic
 def _hw_config(typingctx, m0, m1):
     def codegen_(context, builder, sig, args):
-        cfg = cgutils.alloca_once(builder, ir.ArrayType(_I8, 64))
-        cgutils.memset(builder, cfg, ir.Constant(_I64, 64), 0)
-        base = builder.bitcast(cfg, _BYTES)
-
-        def put(offset, value, ty):
-            at = builder.bitcast(builder.gep(base, [ir.Constant(_I64, offset)]), ty.as_pointer())
-            builder.store(value if isinstance(value, ir.Value) else ir.Constant(ty, value), at)
-
-        put(0, 1, _I8)  # palette 1
-        rows0 = builder.trunc(context.cast(builder, args[0], sig.args[0], types.int64), _I8)
-        rows1 = builder.trunc(context.cast(builder, args[1], sig.args[1], types.int64), _I8)
-        colsb1 = builder.select(builder.icmp_unsigned("!=", rows1, ir.Constant(_I8, 0)),
-                                ir.Constant(_I16, 64), ir.Constant(_I16, 0))
-        for t, rows in ((_C0, rows0), (_C1, rows0), (_A0, rows0)):
-            put(16 + 2 * t, 64, _I16)
-            put(48 + t, rows, _I8)
-        for t, rows in ((_C2, rows1), (_C3, rows1), (_A1, rows1)):
-            put(16 + 2 * t, colsb1, _I16)
-            put(48 + t, rows, _I8)
-        for t in (_B0, _B1):
-            put(16 + 2 * t, 64, _I16)
-            put(48 + t, ROWS, _I8)
+        base = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I8, 64)), _BYTES)
+        _write_config(context, builder, base, sig, args)
         builder.call(_declare(builder, "llvm.x86.ldtilecfg", [_BYTES]), [base])
         return context.get_dummy_value()
 
-    if not (isinstance(m0, types.Integer) and isinstance(m1, types.Integer)):
-        raise errors.TypingError("`m0` and `m1` must be integers, got %s, %s" % (m0, m1))
+    _check_rows_args(m0, m1)
     return types.none(m0, m1), codegen_
+
+
+@intrinsic
+def config_bytes(typingctx, out, m0, m1):
+    """Write into the uint8 array `out` (64 bytes) the configuration `tile_config(tiles, m0,
+    m1)` loads on the hardware: the same code, for tests on any CPU."""
+    _tile_array(out, "out", (types.uint8,))
+
+    def codegen_(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        _write_config(context, builder, builder.bitcast(data, _BYTES), sig.replace(
+            args=sig.args[1:]), args[1:])
+        return context.get_dummy_value()
+
+    _check_rows_args(m0, m1)
+    return types.none(out, m0, m1), codegen_
 
 
 @intrinsic

@@ -75,6 +75,27 @@ def test_info_names_the_route():
     assert _amx.REASON in line and (_amx.TILES or "not used") in line
 
 
+@numba.njit
+def _config(out, m0, m1):
+    _amx.config_bytes(out, m0, m1)
+
+
+@pytest.mark.parametrize("m0, m1", [(16, 16), (16, 7), (5, 0), (1, 0)])
+def test_tile_configuration_bytes(m0, m1):
+    """The 64 bytes `ldtilecfg` loads (Intel SDM, LDTILECFG): palette 1 in byte 0, start row 0,
+    tile t's bytes per row as a little-endian u16 at byte 16 + 2 t and its rows at byte 48 + t,
+    everything else 0. C tiles 0-3 (m0, m0, m1, m1 rows), A tiles 4-5 (m0, m1), B tiles 6-7
+    (16), each 64 bytes a row; a tile of 0 rows has 0 bytes a row (unconfigured)."""
+    expected = np.zeros(64, np.uint8)
+    expected[0] = 1
+    for t, rows in enumerate([m0, m0, m1, m1, m0, m1, 16, 16]):
+        expected[16 + 2 * t] = 64 if rows else 0
+        expected[48 + t] = rows
+    got = np.full(64, 0xAB, np.uint8)
+    _config(got, m0, m1)
+    np.testing.assert_array_equal(got, expected)
+
+
 # -- the tile functions (emulated in this process unless it runs on AMX hardware)
 
 def bf16_bits(x):
