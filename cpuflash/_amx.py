@@ -37,6 +37,8 @@ from numba import types
 from numba.core import cgutils, codegen, config, errors
 from numba.extending import intrinsic, overload, register_jitable
 
+from ._simd import _declare, _element_ptr
+
 __all__ = ["TILES", "REASON", "tile_file", "tile_config", "tile_release", "tile_zero",
            "tile_load", "tile_store", "tile_dot"]
 
@@ -149,6 +151,8 @@ def _widen_bits(bits):
 
 @intrinsic
 def _f32_from_bits(typingctx, bits):
+    """`kernels._convert._bits_to_f32` for uint32 only: this module sits beside `_simd`, below
+    the kernels (the cache stamp reads it before any kernel module is imported)."""
     if bits != types.uint32:
         raise errors.TypingError("expected uint32")
 
@@ -222,21 +226,8 @@ def _check_rows_impl(tiles, t):
 
 # -- hardware: one intrinsic per instruction
 
-_I8, _I16, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(64)
+_I8, _I16, _I64, _VOID = ir.IntType(8), ir.IntType(16), ir.IntType(64), ir.VoidType()
 _BYTES = ir.IntType(8).as_pointer()
-
-
-def _declare(builder, name, args):
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), args), name)
-    return fn
-
-
-def _address(context, builder, arrty, arr, i, ity):
-    data = context.make_array(arrty)(context, builder, value=arr).data
-    ptr = builder.gep(data, [context.cast(builder, i, ity, types.intp)], inbounds=True)
-    return builder.bitcast(ptr, _BYTES)
 
 
 def _stride_bytes(context, builder, arrty, stride, sty):
@@ -279,7 +270,7 @@ def _hw_config(typingctx, m0, m1):
     def codegen_(context, builder, sig, args):
         base = builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_I8, 64)), _BYTES)
         _write_config(context, builder, base, sig, args)
-        builder.call(_declare(builder, "llvm.x86.ldtilecfg", [_BYTES]), [base])
+        builder.call(_declare(builder, "llvm.x86.ldtilecfg", _VOID, [_BYTES]), [base])
         return context.get_dummy_value()
 
     _check_rows_args(m0, m1)
@@ -305,7 +296,7 @@ def config_bytes(typingctx, out, m0, m1):
 @intrinsic
 def _hw_release(typingctx):
     def codegen_(context, builder, sig, args):
-        builder.call(_declare(builder, "llvm.x86.tilerelease", []), [])
+        builder.call(_declare(builder, "llvm.x86.tilerelease", _VOID, []), [])
         return context.get_dummy_value()
 
     return types.none(), codegen_
@@ -318,13 +309,13 @@ def _hw_numbered(kind, numbers):
     if kind == "zero":
         def typer(typingctx):
             def codegen_(context, builder, sig, args):
-                builder.call(_declare(builder, "llvm.x86.tilezero", [_I8]), tiles)
+                builder.call(_declare(builder, "llvm.x86.tilezero", _VOID, [_I8]), tiles)
                 return context.get_dummy_value()
             return types.none(), codegen_
     elif kind == "dot":
         def typer(typingctx):
             def codegen_(context, builder, sig, args):
-                builder.call(_declare(builder, "llvm.x86.tdpbf16ps", [_I8] * 3), tiles)
+                builder.call(_declare(builder, "llvm.x86.tdpbf16ps", _VOID, [_I8] * 3), tiles)
                 return context.get_dummy_value()
             return types.none(), codegen_
     else:
@@ -332,9 +323,9 @@ def _hw_numbered(kind, numbers):
 
         def typer(typingctx, arr, i, stride):
             def codegen_(context, builder, sig, args):
-                ptr = _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                ptr = builder.bitcast(_element_ptr(context, builder, sig, args), _BYTES)
                 step = _stride_bytes(context, builder, sig.args[0], args[2], sig.args[2])
-                builder.call(_declare(builder, name, [_I8, _BYTES, _I64]),
+                builder.call(_declare(builder, name, _VOID, [_I8, _BYTES, _I64]),
                              [tiles[0], ptr, step])
                 return context.get_dummy_value()
             return types.none(arr, i, stride), codegen_

@@ -39,8 +39,9 @@ PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_C
 # Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
 # (`_tiles`), which read the same layouts, padded: the head dims to whole tiles (`DIMS` pairs),
 # and the operands of `pv_tile_pairs` with room for a step past the last key (`PAST`).
-FORWARD_PAIRS = BACKWARD_PAIRS = _simd.BF16_DOT or _amx.TILES is not None
-DIMS, PAST = (_tiles.T, _tiles.STEP) if _amx.TILES is not None else (1, 0)
+TILED = _amx.TILES is not None
+FORWARD_PAIRS = BACKWARD_PAIRS = _simd.BF16_DOT or TILED
+DIMS, PAST = (_tiles.T, _tiles.STEP) if TILED else (1, 0)
 
 
 def _uses_pairs(buffer):
@@ -196,13 +197,7 @@ def pack_row_pairs(v, b, h, start, cols, v_pairs):
 def _pack_row_pairs(v, b, h, start, cols, v_pairs):
     if not _uses_pairs(v_pairs):
         return lambda v, b, h, start, cols, v_pairs: None
-    tiled = _amx.TILES is not None
-
-    def pack(v, b, h, start, cols, v_pairs):
-        _pack_values(v, b, h, start, cols, v_pairs)
-        if tiled:
-            _tiles.zero_pairs_past(v_pairs, cols)
-    return pack
+    return lambda v, b, h, start, cols, v_pairs: _pack_values(v, b, h, start, cols, v_pairs)
 
 
 def pack_query_pairs(q, b, h, start, rows, q_pairs):
@@ -239,13 +234,10 @@ def pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
 def _pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):
     if not _uses_pairs(k_pairs):
         return lambda k, v, b, h, start, cols, k_pairs, v_pairs: None
-    tiled = _amx.TILES is not None
 
     def pack(k, v, b, h, start, cols, k_pairs, v_pairs):
         _pack_keys(k, b, h, start, cols, k_pairs)
         _pack_values(v, b, h, start, cols, v_pairs)
-        if tiled:
-            _tiles.zero_pairs_past(v_pairs, cols)
     return pack
 
 
@@ -279,7 +271,9 @@ def _pack_keys(k, b, h, start, cols, k_pairs):
 @jit
 def _pack_values(v, b, h, start, cols, v_pairs):
     """Value rows into pairs of rows: two rows interleaved at a time where the rows are whole
-    vectors, element by element else."""
+    vectors, element by element else. For AMX tiles, the `PAST` // 2 pairs after them are
+    zeroed (the last step of `_tiles.pv_tiles` reads them, and P's 0 times a stale inf or NaN
+    is NaN)."""
     dv, n = v.shape[3], _simd.LANES_F32
     vw = v_pairs.shape[1]
     c = 0
@@ -296,6 +290,8 @@ def _pack_values(v, b, h, start, cols, v_pairs):
     if cols % 2:  # the pair's second key is past the block
         for x in range(dv):
             v_pairs[cols // 2, 2 * x + 1] = 0
+    for c in range((cols + 1) // 2, min(v_pairs.shape[0], (cols + PAST + 1) // 2)):
+        v_pairs[c, :] = 0
 
 
 def finite_pairs(v_pairs, first, end, like):
@@ -450,7 +446,7 @@ def pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_o
 def _pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
     if not _uses_pairs(v_pairs):
         return lambda scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off: None
-    if _amx.TILES is not None:
+    if TILED:
         return lambda scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off: \
             _tiles.pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off)
 

@@ -225,22 +225,19 @@ def qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, c_lo,
 
 
 def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-    """`qk_tile`, or for tiles of bfloat16 pairs (uint16: `_pairs`) `_pairs.qk_tile_pairs`."""
+    """`qk_tile`, or for tiles of bfloat16 pairs (uint16: `_pairs`) `_pairs.qk_tile_pairs`, or
+    on AMX tiles `_tiles.qk_tiles`."""
 
 
 @overload(any_qk_tile, jit_options=HELPER_OPTIONS)
 def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-    if k_panels.dtype == types.uint16 and _amx.TILES is not None:
-        from ._tiles import qk_tiles
-
-        def tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-            qk_tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
-        return tiles
     if k_panels.dtype == types.uint16:
         from ._pairs import qk_tile_pairs
+        from ._tiles import qk_tiles
+        step = qk_tiles if _amx.TILES is not None else qk_tile_pairs
 
         def pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-            qk_tile_pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+            step(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
         return pairs
 
     def floats(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):

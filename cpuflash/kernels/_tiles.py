@@ -20,7 +20,7 @@ whole head dim (or the block's keys) in one accumulator, not in chunks: bfloat16
 output, 2^-9, is far above what that costs.
 
 Past the keys of a block, the P columns a tile reads are 0 and the value pairs too (zeroed as
-they are packed: `zero_pairs_past`), so stale numbers, inf or NaN, never meet a product.
+they are packed: `_pairs._pack_values`), so stale numbers, inf or NaN, never meet a product.
 """
 
 from .. import _simd
@@ -99,7 +99,7 @@ def pv_tiles(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
                 _dot_step(tiles, p_pairs, r * pw + c, pw, v_pairs, c // 2 * vw + 2 * x,
                           c // 2 * vw + 2 * (x + T), vw, m1, two)
             _store_block(tiles, acc, o, dvp, m1, two)
-        tile_release(tiles)
+    tile_release(tiles)
 
 
 # -- a step's four C tiles (rows 0..15 and 16..31 of the step as m0 and m1 rows; columns
@@ -183,13 +183,3 @@ def _round_probs(scores, p_pairs, r0, r1, c0, c1, cols, lo_off, hi_off):
             lo = vload(scores, r * sw + c) if first <= c < end else zeros
             hi = vload(scores, r * sw + c + n) if first <= c + n < end else zeros
             vstore_pairs(p_pairs, r * pw + c, lo, hi)
-
-
-@jit
-def zero_pairs_past(v_pairs, cols):
-    """Zero the 16 pairs of rows after the first ``ceil(cols / 2)`` of `v_pairs` (values, or
-    keys or queries for the backward: those the last step of `pv_tiles` reads past the packed
-    rows), where `v_pairs` has them."""
-    for c in range((cols + 1) // 2, min(v_pairs.shape[0], (cols + 1) // 2 + T)):
-        for x in range(v_pairs.shape[1]):
-            v_pairs[c, x] = 0
