@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils, codegen, config, errors
 from numba.extending import intrinsic, overload, register_jitable
 
-from ._simd import _declare, _element_ptr
+from ._simd import BF16_ISA, _declare, _element_ptr
 
 __all__ = ["TILES", "REASON", "tile_file", "tile_config", "tile_release", "tile_zero",
            "tile_load", "tile_store", "tile_dot"]
@@ -88,7 +88,9 @@ def _choose(isa, forced, request):
     return "hardware", "CPUFLASH_AMX=1: the bfloat16 kernels' products on AMX tiles"
 
 
-TILES, REASON = _choose(_target_has_amx(config.CPU_FEATURES),
+# AVX512-BF16 as `_simd` sees it too: a CPU named without it (``NUMBA_CPU_NAME=skylake-avx512``
+# on a Xeon) is asked for code that runs there, though Numba passes the host's AMX features
+TILES, REASON = _choose(_target_has_amx(config.CPU_FEATURES) and BF16_ISA,
                         os.environ.get("CPUFLASH_AMX"), _request_tile_state)
 _EMULATED = TILES != "hardware"
 

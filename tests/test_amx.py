@@ -13,7 +13,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpuflash import _amx
+from cpuflash import _amx, _simd
 from cpuflash._amx import tile_config, tile_dot, tile_file, tile_load, tile_release, \
     tile_store, tile_zero
 from helpers import explain, run_python
@@ -232,7 +232,7 @@ def test_bf16_tests_on_emulated_tiles(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _amx._target_has_amx(numba.config.CPU_FEATURES),
+@pytest.mark.skipif(not (_amx._target_has_amx(numba.config.CPU_FEATURES) and _simd.BF16_ISA),
                     reason="no AMX-BF16 on this CPU")
 def test_bf16_tests_on_amx(tmp_path):
     """The same on the hardware's tiles, where the CPU has them (Linux must grant the tile
