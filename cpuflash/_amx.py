@@ -15,9 +15,9 @@ A tile of 0 rows is left unconfigured and must not be used. Strides are in eleme
 
 Where the tiles run (`TILES`):
 
-* ``"hardware"``: the compile target has AMX-BF16, the Linux kernel grants the process its tile
-  state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``: asked once, here, at import) and
-  ``CPUFLASH_AMX=1``. Not yet the default: the kernels on tiles have only run emulated.
+* ``"hardware"``: the compile target has AMX-BF16 and the Linux kernel grants the process its
+  tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``: asked once, here, at import), unless
+  ``CPUFLASH_AMX=0``.
 * ``"emulated"``: ``CPUFLASH_AMX=emulate``, any CPU. Each function is a loop over a tile file in
   memory (`tile_file`), with the instruction's arithmetic (each pair's two products added to a
   float32 in turn), so the kernels built on tiles are tested where there is no AMX.
@@ -79,13 +79,12 @@ def _choose(isa, forced, request):
         return "emulated", "CPUFLASH_AMX=emulate: tile instructions emulated (for tests; slow)"
     if not isa:
         return None, "the compile target has no AMX-BF16"
-    if forced != "1":
-        return None, ("AMX-BF16 present, not used by default until measured on hardware "
-                      "(CPUFLASH_AMX=1 uses it)")
+    if forced == "0":
+        return None, "CPUFLASH_AMX=0: AMX-BF16 present, not used"
     granted, why = request()
     if not granted:
         return None, "AMX-BF16 present, but " + why
-    return "hardware", "CPUFLASH_AMX=1: the bfloat16 kernels' products on AMX tiles"
+    return "hardware", "the CPU has AMX-BF16; CPUFLASH_AMX=0 turns it off"
 
 
 # AVX512-BF16 as `_simd` sees it too: a CPU named without it (``NUMBA_CPU_NAME=skylake-avx512``

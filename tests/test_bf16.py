@@ -334,10 +334,10 @@ def test_target_without_bf16_widens(tmp_path):
 def test_the_other_route(tmp_path):
     """On a CPU with AVX512-BF16 both routes can run (the dot products, or widening where they
     do not pay): this file again, on the route this CPU does not take by default, so that CI
-    checks both on either kind of CPU."""
+    checks both on either kind of CPU (with AMX tiles off: they take the products of both)."""
     other = "0" if _simd.BF16_DOT else "1"
-    env = dict(os.environ, CPUFLASH_BF16_DOT=other, NUMBA_CACHE_DIR=str(tmp_path),
-               CPUFLASH_QUIET="1")
+    env = dict(os.environ, CPUFLASH_BF16_DOT=other, CPUFLASH_AMX="0",
+               NUMBA_CACHE_DIR=str(tmp_path), CPUFLASH_QUIET="1")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "-m", "not slow", __file__], capture_output=True, text=True,
                             env=env, timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
