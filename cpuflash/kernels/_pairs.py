@@ -33,7 +33,8 @@ from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16,
     vstore_pairs, vsub, vtranspose, vzeros
 from . import _tiles
 from ._convert import BFLOAT16, row_offset, vector_rows
-from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, round_up
+from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
+    round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
 # Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
@@ -70,10 +71,10 @@ def _pair_buffers(block_q, block_k, d, dv, q, like, half_kind):
             block_q = block_k = d = dv = 0
         keys, dvp, dp = round_up(block_k, width), round_up(dv, width), (d + 1) // 2
         dp = round_up(dp, DIMS)
-        return (np.zeros((block_q, 2 * dp), np.uint16),
-                np.zeros((keys // width, dp, 2 * width), np.uint16),
-                np.zeros(((keys + PAST) // 2, 2 * dvp), np.uint16),
-                np.zeros((block_q, keys + PAST), np.uint16))
+        return (aligned_zeros((block_q, 2 * dp), np.uint16),
+                aligned_zeros((keys // width, dp, 2 * width), np.uint16),
+                aligned_zeros(((keys + PAST) // 2, 2 * dvp), np.uint16),
+                aligned_zeros((block_q, keys + PAST), np.uint16))
     return pairs
 
 
@@ -100,11 +101,11 @@ def _backward_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
         keys = round_up(block_k, width)
         dp, dvp = round_up((d + 1) // 2, DIMS), round_up((d_v + 1) // 2, DIMS)
         u2 = np.uint16
-        return (np.zeros((block_q, 2 * dp), u2), np.zeros((block_q, 2 * dvp), u2),
-                np.zeros((keys // width, dp, 2 * width), u2),
-                np.zeros((keys // width, dvp, 2 * width), u2),
-                np.zeros(((keys + PAST) // 2, 2 * round_up(d, width)), u2),
-                np.zeros((block_q, keys + PAST), u2))
+        return (aligned_zeros((block_q, 2 * dp), u2), aligned_zeros((block_q, 2 * dvp), u2),
+                aligned_zeros((keys // width, dp, 2 * width), u2),
+                aligned_zeros((keys // width, dvp, 2 * width), u2),
+                aligned_zeros(((keys + PAST) // 2, 2 * round_up(d, width)), u2),
+                aligned_zeros((block_q, keys + PAST), u2))
     return pairs
 
 
@@ -128,9 +129,10 @@ def _transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
         if half_kind != BFLOAT16:
             block_q = block_k = d = d_v = 0
         keys, rows = round_up(block_k, width), round_up(block_q, width)
-        return (np.zeros(((rows + PAST) // 2, 2 * round_up(d, width)), np.uint16),
-                np.zeros(((rows + PAST) // 2, 2 * round_up(d_v, width)), np.uint16),
-                np.zeros((keys, rows), np.float32), np.zeros((keys, rows + PAST), np.uint16))
+        return (aligned_zeros(((rows + PAST) // 2, 2 * round_up(d, width)), np.uint16),
+                aligned_zeros(((rows + PAST) // 2, 2 * round_up(d_v, width)), np.uint16),
+                aligned_zeros((keys, rows), np.float32),
+                aligned_zeros((keys, rows + PAST), np.uint16))
     return pairs
 
 

@@ -433,11 +433,12 @@ def _score_buffers(block_q, block_k, d, d_v, like):
     dtype = like.dtype
     width = 2 * _steps.lanes(like)
     keys = _steps.round_up(block_k, width)
-    return (np.zeros((block_q, d), dtype=dtype), np.zeros((block_q, d_v), dtype=dtype),
-            np.zeros((keys // width, d, width), dtype=dtype),
-            np.zeros((keys // width, d_v, width), dtype=dtype),
-            np.zeros((block_q, keys), dtype=dtype), np.zeros((block_q, keys), dtype=dtype),
-            np.zeros((block_q, keys), dtype=dtype))
+    return (_steps.aligned_zeros((block_q, d), dtype), _steps.aligned_zeros((block_q, d_v), dtype),
+            _steps.aligned_zeros((keys // width, d, width), dtype),
+            _steps.aligned_zeros((keys // width, d_v, width), dtype),
+            _steps.aligned_zeros((block_q, keys), dtype),
+            _steps.aligned_zeros((block_q, keys), dtype),
+            _steps.aligned_zeros((block_q, keys), dtype))
 
 
 @jit
@@ -446,8 +447,8 @@ def _rows_buffer(n_rows, dim, like):
     an operand or an accumulator of the products (`pv_tile`, `tn_tile`), whose padding
     columns stay 0."""
     width = 2 * _steps.lanes(like)
-    return np.zeros((_steps.round_up(n_rows, width), _steps.round_up(dim, width)),
-                    dtype=like.dtype)
+    return _steps.aligned_zeros((_steps.round_up(n_rows, width), _steps.round_up(dim, width)),
+                                like.dtype)
 
 
 @jit
