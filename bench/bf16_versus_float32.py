@@ -2,14 +2,15 @@
 
     python bench/bf16_versus_float32.py [--repeats 5] [--quick] [--backward]
 
-For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (AMX tiles with
-``CPUFLASH_AMX=1`` on a CPU that has them, the AVX512-BF16 dot products where they pay, else widened
-to float32: the line `bfloat16:` of `python -m cpuflash info` says which), and torch's
+For each shape: cpuflash on float32 inputs, cpuflash on bfloat16 inputs (AMX tiles on a CPU
+that has them, the AVX512-BF16 dot products where they pay, else widened to float32: the line
+`bfloat16:` of `python -m cpuflash info` says which), and torch's
 `scaled_dot_product_attention` on bfloat16 tensors. Prints GFLOP/s (4 * B * H * visible pairs * D
 per call) and the ratios. The bfloat16 output is checked against the float32 one first (a loose
 bound: bfloat16 inputs and P).
 With `--backward`, also cpuflash's backward (`attention_backward`) on float32 against bfloat16,
-at N/2 (its own table).
+and the bfloat16 forward and backward against torch's (autograd through SDPA), at N/2 (its own
+table).
 """
 
 import argparse
@@ -54,7 +55,9 @@ def calls(batch, heads, n, d, causal, rng):
 
 
 def backward_calls(batch, heads, n, d, causal, rng):
-    """The float32 and the bfloat16 backward of one shape."""
+    """The float32 and the bfloat16 backward of one shape, and the bfloat16 forward and
+    backward of cpuflash and of torch (autograd through `scaled_dot_product_attention`)."""
+    import torch
     x32 = [rng.standard_normal((batch, heads, n, d), dtype=np.float32) for _ in range(4)]
     x16 = [x.astype(ml_dtypes.bfloat16) for x in x32]
     timed = {}
@@ -62,6 +65,23 @@ def backward_calls(batch, heads, n, d, causal, rng):
         out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
         timed[name] = (lambda q=q, k=k, v=v, dout=dout, out=out, lse=lse:
                        cpuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
+
+    def ours_both(q=x16[0], k=x16[1], v=x16[2], dout=x16[3]):
+        out, lse = cpuflash.attention(q, k, v, causal=causal, return_lse=True)
+        return cpuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+    tq, tk, tv = (torch.from_numpy(x).to(torch.bfloat16).requires_grad_() for x in x32[:3])
+    tdout = torch.from_numpy(x32[3]).to(torch.bfloat16)
+
+    def torch_both():
+        for t in (tq, tk, tv):
+            t.grad = None
+        torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=causal).backward(tdout)
+        return tq.grad, tk.grad, tv.grad
+
+    timed["bfloat16 both"] = ours_both
+    timed["torch bfloat16 both"] = torch_both
     return timed
 
 
@@ -102,13 +122,16 @@ def main(argv=None):
               f"| {b16 / tb16:.2f}x |", flush=True)
     if not args.backward:
         return
-    print("\n| backward | cpuflash fp32 s | cpuflash bf16 s | bf16 speed / fp32 |")
-    print("| --- | --- | --- | --- |")
+    print("\n| backward | cpuflash fp32 s | cpuflash bf16 s | bf16 speed / fp32 "
+          "| bf16 forward + backward: cpuflash s | torch s | cpuflash speed / torch |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for batch, heads, n, d, causal in QUICK if args.quick else CASES:
         best = best_of(backward_calls(batch, heads, n // 2, d, causal, rng), args.repeats)
         label = f"B{batch} H{heads} N{n // 2} D{d}{' causal' if causal else ''}"
+        ours, theirs = best["bfloat16 both"], best["torch bfloat16 both"]
         print(f"| {label} | {best['float32']:.3f} | {best['bfloat16']:.3f} "
-              f"| {best['float32'] / best['bfloat16']:.2f}x |", flush=True)
+              f"| {best['float32'] / best['bfloat16']:.2f}x | {ours:.3f} | {theirs:.3f} "
+              f"| {theirs / ours:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
