@@ -167,6 +167,33 @@ def test_attention_within_rule_of_plain_bf16(rng, n_q, n_k, d, d_v, options):
     assert_close_to_reference(out, q, k, v, lse=lse, plain=bf16_dot_reference, **options)
 
 
+def _alternate(b, h, q_idx, kv_idx, doc):
+    return doc[q_idx] == doc[kv_idx]
+
+
+def test_key_blocks_kept_between_query_tiles(rng):
+    """A thread packs a head's key blocks once for its query tiles (`_pairs.cached_key_values`):
+    blocks visited out of order (a block mask whose query tiles see blocks 0 and 2, then 1 and 3)
+    or in part (a window) give the bits of every block visited in order (a dense mask), within
+    the rule."""
+    n, d = 256, 64
+    doc = np.repeat(np.arange(4) % 2, n // 4)  # 0, 1, 0, 1 by quarters
+    q, k, v = random_bf16(rng, (1, 4, n, d), (1, 2, n, d), (1, 2, n, d))
+    mask = doc[:, None] == doc[None, :]
+    expected = cpuflash.attention(q, k, v, mask=mask, tiles=(64, 64))
+    bm = cpuflash.block_mask(_alternate, 1, 1, n, n, args=(doc,), block=64)
+    got = cpuflash.flex_attention(q, k, v, block_mask=bm, tiles=(64, 64))
+    np.testing.assert_array_equal(bits(got), bits(expected))
+    assert_close_to_reference(got, q, k, v, mask=mask, plain=bf16_dot_reference)
+    for options in (dict(window=(90, 20)), dict(causal=True, window=(40, -1))):
+        out = cpuflash.attention(q, k, v, tiles=(32, 64), **options)
+        assert_close_to_reference(out, q, k, v, plain=bf16_dot_reference, **options)
+    # more blocks than a thread keeps (`_pairs.KEPT_BYTES`): slots are taken over in turn
+    q, k, v = random_bf16(rng, (1, 2, 64, d), (1, 1, 8000, d), (1, 1, 8000, d))
+    out = cpuflash.attention(q, k, v, tiles=(32, 64))
+    assert_close_to_reference(out, q, k, v, plain=bf16_dot_reference)
+
+
 def test_bias_mask_sinks_and_bshd(rng):
     n_q, n_k, d = 113, 127, 59
     q, k, v = random_bf16(rng, (2, n_q, 4, d), (2, n_k, 2, d), (2, n_k, 2, d))

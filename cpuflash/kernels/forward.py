@@ -63,8 +63,9 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     row_sum = np.empty(block_q, dtype=cdtype)
     alpha = np.empty(block_q, dtype=cdtype)
     # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
-    q_pairs, k_pairs, v_pairs, p_pairs = _pairs.pair_buffers(block_q, block_k, d, dv, q, lse,
-                                                             half_kind)
+    q_pairs, k_slots, v_slots, p_pairs, slots = _pairs.pair_buffers(
+        block_q, block_k, d, dv, k.shape[2], key_align, q, lse, half_kind)
+    k_pairs, v_pairs = k_slots[0], v_slots[0]
     pairs = q_pairs.shape[0] > 0
     # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
     seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
@@ -121,9 +122,9 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             first = max(0, lo_off, c_lo) // w * w
             end = min(cols, tile_rows + hi_off, c_hi)
             if end > first and pairs:
-                _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
-                                            end - first, k_pairs[first // w:],
-                                            v_pairs[first // 2:])
+                k_pairs, v_pairs = _pairs.cached_key_values(k, v, batch_k, hk, k_start + kb,
+                                                            first, end, k_slots, v_slots, slots,
+                                                            key_align)
             elif end > first:
                 _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
                                        k_panels[first // w:], half_kind)
