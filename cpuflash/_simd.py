@@ -724,6 +724,10 @@ _EXP2_POLY = {
                     1.5252727385118282e-05, 1.3215442675178602e-06, 1.0180647687984384e-07,
                     7.07257044116385e-09, 4.0780679325849204e-10),
 }
+# degree 4 (a minimax fit of 2**f / f on [-1/2, 1/2]): 2.9e-6 relative in float32, for results
+# that end in 16-bit floats (`vexp2_half`)
+_EXP2_POLY_HALF = (0.6931241750717163, 0.24024099111557007, 0.05590633675456047,
+                   0.0095828203484416)
 # (mantissa bits, exponent bias, integer type of the same width)
 _FLOAT_LAYOUT = {
     types.float32: (23, 127, ir.IntType(32)),
@@ -731,7 +735,7 @@ _FLOAT_LAYOUT = {
 }
 
 
-def _exp2(builder, x, dtype):
+def _exp2(builder, x, dtype, coeffs=None):
     llvec = x.type
     mbits, bias, int_t = _FLOAT_LAYOUT[dtype]
     ivec = ir.VectorType(int_t, llvec.count)
@@ -745,7 +749,7 @@ def _exp2(builder, x, dtype):
     n = _call(builder, "roundeven", x)
     f = builder.fsub(x, n)
     # Horner with FMA: p = 1 + f*(c1 + f*(c2 + ...))
-    coeffs = _EXP2_POLY[dtype]
+    coeffs = coeffs or _EXP2_POLY[dtype]
     p = _const(llvec, coeffs[-1])
     for c in reversed((1.0,) + coeffs[:-1]):
         p = _call(builder, "fma", p, f, _const(llvec, c))
@@ -774,6 +778,19 @@ def vexp2(typingctx, vec):
     """
     _same_vec(vec)
     return vec(vec), lambda context, builder, sig, args: _exp2(builder, args[0], vec.dtype)
+
+
+@intrinsic
+def vexp2_half(typingctx, vec):
+    """`vexp2` of float32 to 2.9e-6 relative (18 bits) instead of 8.4e-8, with two FMAs fewer
+    (a degree-4 polynomial): for probabilities of bfloat16 or float16 inputs, whose P is
+    rounded to bfloat16 (2^-9) or whose output to float16 (2^-11) next. Its edge cases are
+    `vexp2`'s."""
+    _same_vec(vec)
+    if vec.dtype != types.float32:
+        raise errors.TypingError("vexp2_half takes float32 vectors, got %s" % vec)
+    return vec(vec), lambda context, builder, sig, args: _exp2(builder, args[0], vec.dtype,
+                                                                _EXP2_POLY_HALF)
 
 
 # tanh's Taylor series, odd terms y^1 .. y^19: for |y| < 0.55 the first omitted term is below

@@ -30,8 +30,8 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _amx, _simd, tiling
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
-from .._simd import vabs, vadd, vbroadcast, vexp2, vfill_outside, vfma, vhmax, vhsum, viota, \
-    vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
+from .._simd import vabs, vadd, vbroadcast, vexp2, vexp2_half, vfill_outside, vfma, vhmax, vhsum, \
+    viota, vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
 from . import _band, _user
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
@@ -498,7 +498,7 @@ def bool_mask_tile(scores, mask, bb, h, q0, kb, rows, cols, lo_off, hi_off):
 
 
 @jit
-def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
+def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off, inputs=None):
     """Online softmax over one key block: scores become P = exp(s - new max).
 
     alpha[r] = exp(old max - new max) is the factor that rescales what row r accumulated so
@@ -511,6 +511,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
     Row r sees columns r + lo_off .. r + hi_off (see `qk_tile`): only the vectors covering them
     are exponentiated; P is set to 0 on the rest of the columns that `pv_tile` reads for the
     row's group (the others' exponentials would be exactly 0, so the sums are unchanged).
+    `inputs` (q, or None) chooses the exponential (`exp_for`).
     """
     n = lanes(scores)
     sw = scores.shape[1]
@@ -543,7 +544,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off):
         else:
             m = row_max[r]
             row_sum[r] = row_sum[r] * alpha[r] + _exp_span(scores, base + first, base + end,
-                                                           m if m != -np.inf else 0.0)
+                                                           m if m != -np.inf else 0.0, inputs)
         # zeros where the row's group reads keys this row cannot see (pv_tile's key range), in
         # whole vectors: `first` and `end` are multiples of n, and past the group's range no
         # one reads this row's scores
@@ -580,8 +581,20 @@ def _max_span(scores, start, end):
     return vhmax(vmax(vmax(t0, t1), vmax(t2, t3)))
 
 
+def exp_for(x, inputs):
+    """`vexp2(x)`, or `vexp2_half(x)` where `inputs` are 16-bit floats (a uint16 array): their
+    P is rounded to bfloat16, or their output to float16, next."""
+
+
+@overload(exp_for, jit_options=HELPER_OPTIONS)
+def _exp_for(x, inputs):
+    if isinstance(inputs, types.Array) and inputs.dtype == types.uint16:
+        return lambda x, inputs: vexp2_half(x)
+    return lambda x, inputs: vexp2(x)
+
+
 @jit
-def _exp_span(scores, start, end, shift):
+def _exp_span(scores, start, end, shift, inputs):
     """scores[start:end] = exp2((s - shift) * log2(e)) in place, whole vectors, and their sum.
 
     Four vectors at a time: the exponential is a chain of a dozen dependent instructions, and
@@ -594,10 +607,10 @@ def _exp_span(scores, start, end, shift):
     t0 = t1 = vzeros(scores)
     c = start
     while c + 4 * n <= end:
-        p0 = vexp2(vmul(vsub(vload(scores, c), shift_v), log2e))
-        p1 = vexp2(vmul(vsub(vload(scores, c + n), shift_v), log2e))
-        p2 = vexp2(vmul(vsub(vload(scores, c + 2 * n), shift_v), log2e))
-        p3 = vexp2(vmul(vsub(vload(scores, c + 3 * n), shift_v), log2e))
+        p0 = exp_for(vmul(vsub(vload(scores, c), shift_v), log2e), inputs)
+        p1 = exp_for(vmul(vsub(vload(scores, c + n), shift_v), log2e), inputs)
+        p2 = exp_for(vmul(vsub(vload(scores, c + 2 * n), shift_v), log2e), inputs)
+        p3 = exp_for(vmul(vsub(vload(scores, c + 3 * n), shift_v), log2e), inputs)
         vstore(scores, c, p0)
         vstore(scores, c + n, p1)
         vstore(scores, c + 2 * n, p2)
@@ -606,7 +619,7 @@ def _exp_span(scores, start, end, shift):
         t1 = vadd(t1, vadd(p1, p3))
         c += 4 * n
     while c < end:
-        p0 = vexp2(vmul(vsub(vload(scores, c), shift_v), log2e))
+        p0 = exp_for(vmul(vsub(vload(scores, c), shift_v), log2e), inputs)
         vstore(scores, c, p0)
         t0 = vadd(t0, p0)
         c += n

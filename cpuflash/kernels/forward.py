@@ -158,7 +158,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
 
             # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
             _steps.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
-                                  hi_off)
+                                  hi_off, q)
 
             # -- acc = alpha * acc + P V; where some row cannot see every key and a value
             # row is inf or NaN, row by row over what each row sees (0 * NaN is NaN)
