@@ -1019,7 +1019,8 @@ def softcap_chain_tile(scores, chain, rows, cols, cap, lo_off, hi_off):
 
 
 @jit
-def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, has_chain):
+def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, has_chain,
+                    inputs=None):
     """From S and dP = dO V^T to P and dS, in place, with each row's saved log-sum-exp:
 
         P = exp(S - lse) = exp2((S - lse) * log2(e)),   dS = P * (dP - delta)  (* chain)
@@ -1027,7 +1028,8 @@ def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, h
     with ``delta = rowsum(dO * O)``. The difference first, as the forward's softmax takes it.
     Both tiles are 0 in every column of a row outside its span (see `row_span`) and past
     `cols`, and everywhere in a row that sees no key at all (lse -inf), so the products that
-    follow may read any column of any row (`pv_tile`, `tn_tile`).
+    follow may read any column of any row (`pv_tile`, `tn_tile`). `inputs` (q, or None)
+    chooses the exponential (`exp_for`).
     """
     n = lanes(scores)
     sw = scores.shape[1]
@@ -1046,7 +1048,7 @@ def probs_and_grads(scores, dp, chain, lse, delta, rows, cols, lo_off, hi_off, h
             vstore(dp, base + c, zeros)
         row_lse, row_delta = vsplat(lse[r], scores), vsplat(delta[r], scores)
         for c in range(first, end, n):
-            p = vexp2(vmul(vsub(vload(scores, base + c), row_lse), log2e))
+            p = exp_for(vmul(vsub(vload(scores, base + c), row_lse), log2e), inputs)
             ds = vmul(p, vsub(vload(dp, base + c), row_delta))
             if has_chain:
                 ds = vmul(ds, vload(chain, base + c))

@@ -190,7 +190,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
 
                     # -- P = exp(S - lse), dS = P (dP - delta)
                     _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
-                                           cols, lo_off, hi_off, has_chain)
+                                           cols, lo_off, hi_off, has_chain, q)
 
                     # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
                     # cannot see every key and an operand is inf or NaN, over what each
@@ -300,7 +300,7 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
 
             # -- P and dS
             _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
-                                   lo_off, hi_off, has_chain)
+                                   lo_off, hi_off, has_chain, q)
 
             # -- dQ += dS K (over what each row sees only, as in the key pass)
             exact = (not inside or _steps.masks_keys(mods, state)) and not (
