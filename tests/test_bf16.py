@@ -15,7 +15,7 @@ import pytest
 import cpuflash
 from accuracy import assert_close_to_reference, bf16_dot_reference
 from cpuflash import _simd
-from cpuflash.kernels import _pairs
+from cpuflash.kernels import _pairs, _steps
 from cpuflash._simd import (vbroadcast_pair, vdot_pairs, vload, vload_pairs, vload_rows_bits,
                             vstore, vstore_bits, vstore_interleaved, vstore_pairs, vtranspose)
 from helpers import (cache_case, check_kvcache, check_varlen, explain, packed, run_python,
@@ -171,27 +171,32 @@ def _alternate(b, h, q_idx, kv_idx, doc):
     return doc[q_idx] == doc[kv_idx]
 
 
-def test_key_blocks_kept_between_query_tiles(rng):
-    """A thread packs a head's key blocks once for its query tiles (`_pairs.cached_key_values`):
-    blocks visited out of order (a block mask whose query tiles see blocks 0 and 2, then 1 and 3)
-    or in part (a window) give the bits of every block visited in order (a dense mask), within
-    the rule."""
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_key_blocks_kept_between_query_tiles(rng, dtype):
+    """A thread packs a head's key blocks once for its query tiles (`_steps.kept_block`):
+    blocks visited out of order (a block mask whose query tiles see blocks 0 and 2, then 1 and
+    3) or in part (a window) give the bits of every block visited in order (a dense mask),
+    within the rule; and where there are more blocks than a thread keeps, in turn."""
+    plain = bf16_dot_reference if dtype == BF16 else None
     n, d = 256, 64
     doc = np.repeat(np.arange(4) % 2, n // 4)  # 0, 1, 0, 1 by quarters
-    q, k, v = random_bf16(rng, (1, 4, n, d), (1, 2, n, d), (1, 2, n, d))
+    q, k, v = (x.astype(dtype) for x in random_bf16(rng, (1, 4, n, d), (1, 2, n, d),
+                                                     (1, 2, n, d)))
     mask = doc[:, None] == doc[None, :]
     expected = cpuflash.attention(q, k, v, mask=mask, tiles=(64, 64))
     bm = cpuflash.block_mask(_alternate, 1, 1, n, n, args=(doc,), block=64)
     got = cpuflash.flex_attention(q, k, v, block_mask=bm, tiles=(64, 64))
-    np.testing.assert_array_equal(bits(got), bits(expected))
-    assert_close_to_reference(got, q, k, v, mask=mask, plain=bf16_dot_reference)
+    np.testing.assert_array_equal(got, expected)
+    assert_close_to_reference(got, q, k, v, mask=mask, plain=plain)
     for options in (dict(window=(90, 20)), dict(causal=True, window=(40, -1))):
         out = cpuflash.attention(q, k, v, tiles=(32, 64), **options)
-        assert_close_to_reference(out, q, k, v, plain=bf16_dot_reference, **options)
-    # more blocks than a thread keeps (`_pairs.KEPT_BYTES`): slots are taken over in turn
-    q, k, v = random_bf16(rng, (1, 2, 64, d), (1, 1, 8000, d), (1, 1, 8000, d))
+        assert_close_to_reference(out, q, k, v, plain=plain, **options)
+    n_k = 20_000  # 313 blocks of 64 keys; a thread keeps 128-256 at D = 64
+    assert n_k // 64 > _steps.KEPT_BYTES // (2 * 64 * 64 * 2)
+    q, k, v = (x.astype(dtype) for x in random_bf16(rng, (1, 2, 64, d), (1, 1, n_k, d),
+                                                     (1, 1, n_k, d)))
     out = cpuflash.attention(q, k, v, tiles=(32, 64))
-    assert_close_to_reference(out, q, k, v, plain=bf16_dot_reference)
+    assert_close_to_reference(out, q, k, v, plain=plain)
 
 
 def test_bias_mask_sinks_and_bshd(rng):
@@ -330,7 +335,7 @@ NO_BF16_SCRIPT = """
 import numpy as np, ml_dtypes
 import cpuflash
 from cpuflash import _simd
-from cpuflash.kernels import _pairs
+from cpuflash.kernels import _pairs, _steps
 from cpuflash.__main__ import info_lines
 rng = np.random.default_rng(5)
 q, k, v = (rng.standard_normal((1, 2, 70, 59)).astype(ml_dtypes.bfloat16) for _ in range(3))

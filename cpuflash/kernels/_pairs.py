@@ -34,7 +34,7 @@ from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16,
 from . import _tiles
 from ._convert import BFLOAT16, row_offset, vector_rows
 from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
-    round_up
+    kept_count, round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
 # Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
@@ -49,17 +49,11 @@ def _uses_pairs(buffer):
     return isinstance(buffer, types.Array) and buffer.dtype == types.uint16
 
 
-# the bytes of packed key and value blocks one thread keeps for reuse (`cached_key_values`)
-KEPT_BYTES = 1 << 21
-
-
 def pair_buffers(block_q, block_k, d, dv, n_keys, key_align, q, like, half_kind):
-    """``(q_pairs, k_slots, v_slots, p_pairs, slots)`` of one thread: uint16 and zeroed for
-    bfloat16 inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then
-    widens), padded for AMX tiles (`DIMS`, `PAST`). ``k_slots[s]`` and ``v_slots[s]`` are
-    the packed keys and values of one block (`k_pairs`, `v_pairs`), as many as the blocks of
-    `n_keys` keys from multiples of `key_align`, up to `KEPT_BYTES`; `slots` says what each
-    holds (`cached_key_values`)."""
+    """``(q_pairs, k_pairs, v_pairs, p_pairs)`` of one thread: uint16 and zeroed for bfloat16
+    inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then widens),
+    padded for AMX tiles (`DIMS`, `PAST`). ``k_pairs[s]`` and ``v_pairs[s]`` are the packed
+    keys and values of one block, as many as `_steps.kept_count` gives for `n_keys` keys."""
 
 
 @overload(pair_buffers, jit_options=HELPER_OPTIONS)
@@ -69,8 +63,7 @@ def _pair_buffers(block_q, block_k, d, dv, n_keys, key_align, q, like, half_kind
         # calls the tile steps with the float branch's types: one specialization, not two
         def empty(block_q, block_k, d, dv, n_keys, key_align, q, like, half_kind):
             return (np.zeros((0, 0, 0), like.dtype), np.zeros((1, 0, 0, 0), like.dtype),
-                    np.zeros((1, 0, 0), like.dtype), np.zeros((0, 0), like.dtype),
-                    np.full((1, 4), -1, np.int64))
+                    np.zeros((1, 0, 0), like.dtype), np.zeros((0, 0), like.dtype))
         return empty
     width = 2 * _simd.LANES_F32
 
@@ -79,13 +72,11 @@ def _pair_buffers(block_q, block_k, d, dv, n_keys, key_align, q, like, half_kind
             block_q = block_k = d = dv = 0
         keys, dvp, dp = round_up(block_k, width), round_up(dv, width), (d + 1) // 2
         dp = round_up(dp, DIMS)
-        kept = 2 * (keys * 2 * dp + (keys + PAST) * dvp)  # bytes of one block's k and v pairs
-        n_slots = max(1, min((n_keys + key_align - 1) // key_align, KEPT_BYTES // max(1, kept)))
+        kept = kept_count(n_keys, key_align, 2 * (keys * 2 * dp + (keys + PAST) * dvp))
         return (aligned_zeros((block_q, 2 * dp), np.uint16),
-                aligned_zeros((n_slots, keys // width, dp, 2 * width), np.uint16),
-                aligned_zeros((n_slots, (keys + PAST) // 2, 2 * dvp), np.uint16),
-                aligned_zeros((block_q, keys + PAST), np.uint16),
-                np.full((n_slots, 4), -1, np.int64))
+                aligned_zeros((kept, keys // width, dp, 2 * width), np.uint16),
+                aligned_zeros((kept, (keys + PAST) // 2, 2 * dvp), np.uint16),
+                aligned_zeros((block_q, keys + PAST), np.uint16))
     return pairs
 
 
@@ -235,24 +226,6 @@ def _pack_query_pairs(q, b, h, start, rows, q_pairs):
             for x in range(q.shape[3]):
                 q_pairs[r, x] = q[b, h, start + r, x]
     return pack
-
-
-@jit
-def cached_key_values(k, v, b, h, row, first, end, k_slots, v_slots, slots, key_align):
-    """``(k_pairs, v_pairs)``: a slot of `k_slots` and `v_slots` holding keys and values row
-    + first .. row + end of (b, h), packed (`pack_key_value_pairs`) unless the slot holds them
-    already: the query tiles of one head, which a thread runs in turn, read the same key
-    blocks. One slot per block start (`key_align`) in turn; ``slots[s]`` is (b * heads + h,
-    row, first, end) of what slot s holds."""
-    s = (row // key_align) % k_slots.shape[0]
-    head = b * k.shape[1] + h
-    held = slots[s, 0] == head and slots[s, 1] == row
-    if not (held and slots[s, 2] <= first and end <= slots[s, 3]):
-        w = k_slots.shape[3] // 2
-        pack_key_value_pairs(k, v, b, h, row + first, end - first, k_slots[s][first // w:],
-                             v_slots[s][first // 2:])
-        slots[s, 0], slots[s, 1], slots[s, 2], slots[s, 3] = head, row, first, end
-    return k_slots[s], v_slots[s]
 
 
 def pack_key_value_pairs(k, v, b, h, start, cols, k_pairs, v_pairs):

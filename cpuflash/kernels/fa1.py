@@ -26,7 +26,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
     for bh in prange(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         hk = h // group
-        q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
+        q_tile, k_kept, v_kept, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
+        k_panels, v_tile = k_kept[0], v_kept[0]
         tile_max = np.empty(block_q, dtype=cdtype)
         tile_sum = np.empty(block_q, dtype=cdtype)
         alpha = np.empty(block_q, dtype=cdtype)

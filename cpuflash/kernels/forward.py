@@ -58,15 +58,18 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     has_sinks = sinks.shape[0] > 0
     no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
     # -- thread-local tile state, allocated once per chunk of work items
-    q_tile, k_panels, v_tile, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
+    # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
+    q_pairs, k_kept_pairs, v_kept_pairs, p_pairs = _pairs.pair_buffers(
+        block_q, block_k, d, dv, k.shape[2], key_align, q, lse, half_kind)
+    pairs = q_pairs.shape[0] > 0
+    q_tile, k_kept, v_kept, scores, acc = _steps.tile_buffers(
+        block_q, block_k, d, dv, lse, 0 if pairs else k.shape[2], key_align)
     row_max = np.empty(block_q, dtype=cdtype)
     row_sum = np.empty(block_q, dtype=cdtype)
     alpha = np.empty(block_q, dtype=cdtype)
-    # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
-    q_pairs, k_slots, v_slots, p_pairs, slots = _pairs.pair_buffers(
-        block_q, block_k, d, dv, k.shape[2], key_align, q, lse, half_kind)
-    k_pairs, v_pairs = k_slots[0], v_slots[0]
-    pairs = q_pairs.shape[0] > 0
+    # the packed key blocks kept for the next query tiles (`_steps.kept_block`)
+    slots = np.full((k_kept_pairs.shape[0] if pairs else k_kept.shape[0], 4), -1, np.int64)
+    k_panels, v_tile, k_pairs, v_pairs = k_kept[0], v_kept[0], k_kept_pairs[0], v_kept_pairs[0]
     # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
     seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
 
@@ -121,15 +124,24 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             w = k_panels.shape[2]
             first = max(0, lo_off, c_lo) // w * w
             end = min(cols, tile_rows + hi_off, c_hi)
-            if end > first and pairs:
-                k_pairs, v_pairs = _pairs.cached_key_values(k, v, batch_k, hk, k_start + kb,
-                                                            first, end, k_slots, v_slots, slots,
-                                                            key_align)
-            elif end > first:
-                _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
-                                       k_panels[first // w:], half_kind)
-                _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
-                                 v_tile[first:], half_kind)
+            if end > first:
+                s, held = _steps.kept_block(slots, batch_k * k.shape[1] + hk, k_start + kb,
+                                            first, end, key_align)
+                if pairs:
+                    k_pairs, v_pairs = k_kept_pairs[s], v_kept_pairs[s]
+                else:
+                    k_panels, v_tile = k_kept[s], v_kept[s]
+                if held:
+                    pass
+                elif pairs:
+                    _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
+                                                end - first, k_pairs[first // w:],
+                                                v_pairs[first // 2:])
+                else:
+                    _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
+                                           k_panels[first // w:], half_kind)
+                    _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                                     v_tile[first:], half_kind)
 
             # -- S = scale * Q K^T and the score modifiers, in the order of the score
             # pipeline, on each row's band; -inf where a key is hidden (element masks only
