@@ -702,7 +702,7 @@ CPU_CLASSES = (
     ("AMD EPYC Zen 4 (AVX-512)", lambda m: m["llvm_cpu"] == "znver4", (1.11, 1.65)),
     ("AMD EPYC Zen 5 (AVX-512)", lambda m: m["llvm_cpu"] == "znver5", (1.69, 2.62)),
     ("Intel Xeon with AMX (Sapphire Rapids class)",
-     lambda m: "amx-tile" in m["simd"], (0.69, 1.25)),
+     lambda m: "amx-tile" in m["simd"], (1.02, 1.42)),
 )
 
 
