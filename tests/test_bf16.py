@@ -199,6 +199,16 @@ def test_key_blocks_kept_between_query_tiles(rng, dtype):
     assert_close_to_reference(out, q, k, v, plain=plain)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
+def test_scale_taken_into_q_gives_the_same_bits(rng, d):
+    """On AMX tiles a power-of-two scale (D = 16, 64, 256) multiplies Q as it is packed
+    (`_pairs.folded_scale`): exact, so the bits of a call with a zero bias, whose product is
+    scaled after the sums."""
+    q, k, v = random_bf16(rng, (1, 4, 150, d), (1, 2, 170, d), (1, 2, 170, d))
+    expected = cpuflash.attention(q, k, v, causal=True, bias=np.zeros((4, 150, 170), np.float32))
+    np.testing.assert_array_equal(bits(cpuflash.attention(q, k, v, causal=True)), bits(expected))
+
+
 def test_bias_mask_sinks_and_bshd(rng):
     n_q, n_k, d = 113, 127, 59
     q, k, v = random_bf16(rng, (2, n_q, 4, d), (2, n_k, 2, d), (2, n_k, 2, d))

@@ -114,10 +114,11 @@ def kept_count(n_keys, key_align, block_bytes):
 def kept_block(slots, head, row, first, end, key_align):
     """(s, held): the kept block (`tile_buffers`) for keys from `row` of `head` (b * heads +
     h), and whether it holds keys row + first .. row + end packed already; if not, `slots` marks
-    it as holding them, for the caller packs them next. The query tiles of one head, which a
-    thread runs in turn, read the same key blocks: packing them once instead of once per tile
-    saved 3-13% of the forward (Xeon). One block per block start (`key_align`) in turn;
-    ``slots[s]`` is (head, row, first, end) of what block s holds."""
+    it as holding them, and the caller packs them. The query tiles of one head, which a thread
+    runs in turn, read the same key blocks: packing them once instead of once per tile saved
+    2-3% of the float32 forward and 3-13% of the bfloat16 one on AMX tiles (Xeon). One block
+    per block start (`key_align`) in turn; ``slots[s]`` is (head, row, first, end) of what
+    block s holds."""
     s = (row // key_align) % slots.shape[0]
     held = (slots[s, 0] == head and slots[s, 1] == row and slots[s, 2] <= first
             and end <= slots[s, 3])
@@ -610,14 +611,20 @@ def _max_span(scores, start, end):
     return vhmax(vmax(vmax(t0, t1), vmax(t2, t3)))
 
 
+# whether the kernels round P to bfloat16 for bfloat16 inputs (`_pairs.FORWARD_PAIRS`): the
+# AVX512-BF16 dot products or AMX tiles. Elsewhere they widen those inputs and compute the float32
+# kernel's bits (`test_bf16.test_target_without_bf16_widens`)
+ROUNDS_P = _simd.BF16_DOT or _amx.TILES is not None
+
+
 def exp_for(x, inputs):
-    """`vexp2(x)`, or `vexp2_half(x)` where `inputs` are 16-bit floats (a uint16 array): their
-    P is rounded to bfloat16, or their output to float16, next."""
+    """`vexp2(x)`, or `vexp2_half(x)` where `inputs` are 16-bit floats (a uint16 array) and
+    `ROUNDS_P`: P is rounded to bfloat16 next, or a float16 output to 2^-11."""
 
 
 @overload(exp_for, jit_options=HELPER_OPTIONS)
 def _exp_for(x, inputs):
-    if isinstance(inputs, types.Array) and inputs.dtype == types.uint16:
+    if ROUNDS_P and isinstance(inputs, types.Array) and inputs.dtype == types.uint16:
         return lambda x, inputs: vexp2_half(x)
     return lambda x, inputs: vexp2(x)
 

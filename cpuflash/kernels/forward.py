@@ -70,6 +70,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     # the packed key blocks kept for the next query tiles (`_steps.kept_block`)
     slots = np.full((k_kept_pairs.shape[0] if pairs else k_kept.shape[0], 4), -1, np.int64)
     k_panels, v_tile, k_pairs, v_pairs = k_kept[0], v_kept[0], k_kept_pairs[0], v_kept_pairs[0]
+    # the part of the scale that Q takes as it is packed (`_pairs.folded_scale`)
+    q_scale = _pairs.folded_scale(qk_scale) if PLAIN and pairs else 1.0
     # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
     seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
 
@@ -89,7 +91,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
         k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
 
         if pairs:
-            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs)
+            _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs, q_scale)
         else:
             _steps.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
                                      half_kind)
@@ -120,7 +122,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                 if tile_rows == 0:
                     continue
 
-            # -- pack the keys and values some row sees (from a whole panel)
+            # -- pack the keys and values some row sees (from a whole panel), unless the
+            # thread kept them from the head's previous query tile
             w = k_panels.shape[2]
             first = max(0, lo_off, c_lo) // w * w
             end = min(cols, tile_rows + hi_off, c_hi)
@@ -129,19 +132,17 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                             first, end, key_align)
                 if pairs:
                     k_pairs, v_pairs = k_kept_pairs[s], v_kept_pairs[s]
+                    if not held:
+                        _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
+                                                    end - first, k_pairs[first // w:],
+                                                    v_pairs[first // 2:])
                 else:
                     k_panels, v_tile = k_kept[s], v_kept[s]
-                if held:
-                    pass
-                elif pairs:
-                    _pairs.pack_key_value_pairs(k, v, batch_k, hk, k_start + kb + first,
-                                                end - first, k_pairs[first // w:],
-                                                v_pairs[first // 2:])
-                else:
-                    _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first, end - first,
-                                           k_panels[first // w:], half_kind)
-                    _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
-                                     v_tile[first:], half_kind)
+                    if not held:
+                        _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first,
+                                               end - first, k_panels[first // w:], half_kind)
+                        _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                                         v_tile[first:], half_kind)
 
             # -- S = scale * Q K^T and the score modifiers, in the order of the score
             # pipeline, on each row's band; -inf where a key is hidden (element masks only
@@ -149,8 +150,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             at = (seq, h, q0, kb, diag0, batch_q, state)
             band = (inside, lo_off, hi_off, left, right)
             if PLAIN and pairs:
-                _steps.band_scores(q_pairs, k_pairs, scores, rows, cols, qk_scale, diag0 - kb,
-                                   band)
+                _steps.band_scores(q_pairs, k_pairs, scores, rows, cols, qk_scale / q_scale,
+                                   diag0 - kb, band)
             elif PLAIN:
                 _steps.band_scores(q_tile, k_panels, scores, rows, cols, qk_scale, diag0 - kb,
                                    band)
