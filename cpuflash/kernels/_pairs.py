@@ -35,7 +35,7 @@ from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16,
     vmul, vsplat, vstore_pairs, vsub, vtranspose, vzeros
 from . import _tiles
 from ._convert import BFLOAT16, narrow, row_offset, vector_rows, widen
-from ._steps import DOT_CHUNK, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
+from ._steps import DOT_CHUNK, ROUNDS_P, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
     kept_count, round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
@@ -43,7 +43,7 @@ PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_C
 # (`_tiles`), which read the same layouts, padded: the head dims to whole tiles (`DIMS` pairs),
 # and the operands of `pv_tile_pairs` with room for a step past the last key (`PAST`).
 TILED = _amx.TILES is not None
-FORWARD_PAIRS = BACKWARD_PAIRS = _simd.BF16_DOT or TILED
+FORWARD_PAIRS = BACKWARD_PAIRS = ROUNDS_P
 DIMS, PAST = (_tiles.T, _tiles.STEP) if TILED else (1, 0)
 
 
@@ -232,24 +232,23 @@ def _pack_query_pairs(q, b, h, start, rows, q_pairs, mult=1.0):
         if vector_rows(q, n):  # whole vectors
             base, stride = row_offset(q, b, h, start), q.strides[2] // q.itemsize
             qw = q_pairs.shape[1]
-            m = vsplat(np.float32(mult), vload_bf16(q, base))
             for r in range(rows):
                 for x in range(0, q.shape[3], n):
                     at = base + r * stride + x
                     if mult == 1.0:
                         vstore_bits(q_pairs, r * qw + x, vload_bits(q, at))
                     else:
-                        vstore_pairs(q_pairs, r * qw + x, vmul(m, vload_bf16(q, at)),
-                                     vmul(m, vload_bf16(q, at + n // 2)))
+                        lo, hi = vload_bf16(q, at), vload_bf16(q, at + n // 2)
+                        m = vsplat(np.float32(mult), lo)
+                        vstore_pairs(q_pairs, r * qw + x, vmul(m, lo), vmul(m, hi))
             return
         for r in range(rows):
             for x in range(q.shape[3]):
-                if mult == 1.0:
-                    q_pairs[r, x] = q[b, h, start + r, x]
-                else:
-                    q_pairs[r, x] = narrow(np.float32(mult) * widen(q[b, h, start + r, x],
-                                                                    BFLOAT16), q_pairs.dtype,
-                                           BFLOAT16)
+                value = q[b, h, start + r, x]
+                if mult != 1.0:
+                    value = narrow(np.float32(mult) * widen(value, BFLOAT16), q_pairs.dtype,
+                                   BFLOAT16)
+                q_pairs[r, x] = value
     return pack
 
 

@@ -611,9 +611,10 @@ def _max_span(scores, start, end):
     return vhmax(vmax(vmax(t0, t1), vmax(t2, t3)))
 
 
-# whether the kernels round P to bfloat16 for bfloat16 inputs (`_pairs.FORWARD_PAIRS`): the
-# AVX512-BF16 dot products or AMX tiles. Elsewhere they widen those inputs and compute the float32
-# kernel's bits (`test_bf16.test_target_without_bf16_widens`)
+# whether the kernels take bfloat16 inputs as pairs and round P to bfloat16 (`_pairs`'
+# FORWARD_PAIRS and BACKWARD_PAIRS are this): the AVX512-BF16 dot products or AMX tiles.
+# Elsewhere they widen those inputs and compute the float32 kernel's bits
+# (`test_bf16.test_target_without_bf16_widens`)
 ROUNDS_P = _simd.BF16_DOT or _amx.TILES is not None
 
 
