@@ -36,7 +36,7 @@ __all__ = ["BlockMask", "block_mask", "flex_attention", "flex_attention_backward
 DEFAULT_BLOCK = (tiling.BACKWARD_BLOCK_Q, tiling.BACKWARD_BLOCK_K)
 
 _lock = threading.Lock()
-_compiled = {}  # (role, function) -> (digest, jitted function)
+_compiled = {}  # (role, function) -> (digest, jitted function, the values it reads)
 
 
 def _fail(exc, message):
@@ -121,6 +121,78 @@ def _raising(function, seen=None):
     return None
 
 
+# what a user function may read besides its arguments: values Numba cannot be told to change
+# (a changed global is not seen by the function it compiled, in this process or from the cache)
+_CONSTANT_TYPES = (numbers.Number, str, bytes, type(None), np.generic, np.dtype, type,
+                   pytypes.ModuleType, pytypes.BuiltinFunctionType, np.ufunc, types.Type)
+_ARGUMENTS_OF = {"score_mod": "score_args", "mask_mod": "mask_args",
+                 "score_mod_grad": "score_args"}
+_MISSING = object()
+
+
+def _reads(function, role, seen=None):
+    """[(namespace, name, value)] of the globals and closure cells `function` reads, and those
+    of the functions it calls; a TypeError naming one whose value can change in place (an
+    array, a list, a tensor): Numba compiles such a value into the function, and the kernels
+    would go on computing with the value it had at the first call."""
+    seen = set() if seen is None else seen
+    if isinstance(function, CPUDispatcher):
+        function = function.py_func
+    if not isinstance(function, pytypes.FunctionType) or id(function) in seen:
+        return []
+    seen.add(id(function))
+    reads = []
+
+    def check(where, value):
+        if isinstance(value, tuple):
+            for item in value:
+                check(where, item)
+        elif isinstance(value, (pytypes.FunctionType, CPUDispatcher)):
+            reads.extend(_reads(value, role, seen))
+        elif not isinstance(value, _CONSTANT_TYPES):
+            kind = f"{type(value).__module__}.{type(value).__qualname__}"
+            _fail(TypeError, f"`{role}` ({function.__qualname__}) reads {where}, a {kind}: Numba "
+                             f"compiles the value it has at the first call into the function, "
+                             f"so a later change to it would be ignored. Pass it in "
+                             f"`{_ARGUMENTS_OF[role]}` (it arrives after kv_idx) instead")
+
+    namespace = function.__globals__
+    codes = [function.__code__]
+    for code in codes:
+        codes += [const for const in code.co_consts if isinstance(const, pytypes.CodeType)]
+        instructions = list(dis.get_instructions(code))
+        for i, op in enumerate(instructions):
+            if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval not in namespace:
+                continue  # (a builtin)
+            value = namespace[op.argval]
+            reads.append((namespace, op.argval, value))
+            where = f"the global `{op.argval}`"
+            for attr in instructions[i + 1:]:  # `module.name`: the value the attribute holds
+                if not isinstance(value, pytypes.ModuleType) or \
+                        attr.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+                    break
+                reads.append((value.__dict__, attr.argval, getattr(value, attr.argval, None)))
+                value = getattr(value, attr.argval, None)
+                where += f".{attr.argval}"
+            check(where, value)
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        reads.append((cell, name, cell.cell_contents))
+        check(f"`{name}` from its closure", cell.cell_contents)
+    for value in function.__defaults__ or ():
+        check("a default argument", value)
+    return reads
+
+
+def _unchanged(reads):
+    """Whether every global and closure cell in `reads` still holds the value it held."""
+    for namespace, name, value in reads:
+        now = (namespace.cell_contents if isinstance(namespace, pytypes.CellType)
+               else namespace.get(name, _MISSING))
+        if now is not value:
+            return False
+    return True
+
+
 def _user_function(role, function):
     """(digest, jitted function) of a user function given as `role` ("score_mod", ...)."""
     if isinstance(function, CPUDispatcher):
@@ -130,7 +202,9 @@ def _user_function(role, function):
                          f"{type(function).__name__}")
     with _lock:
         known = _compiled.get((role, function))
-        if known is None:
+        # a global rebound to another constant since (`SCALE = 2.0`): compiled anew, under a
+        # digest of its new value
+        if known is None or not _unchanged(known[2]):
             # an exception raised on a worker thread of a kernel's parallel loop is lost (the
             # call returns as if nothing happened), on the calling thread it comes back as a
             # SystemError: no function that can raise runs in a kernel
@@ -140,13 +214,14 @@ def _user_function(role, function):
                                  f"{culprit} has a `raise` or an `assert`, and an exception "
                                  "cannot leave the kernels' parallel loops; return -inf (a "
                                  "score) or False (a mask) instead")
+            reads = _reads(function, role)
             options = _user_options()
             jitted = numba.njit(**options)(function)
             described = sorted((name, sorted(value) if isinstance(value, set) else value)
                                for name, value in options.items())  # (sets: in a fixed order)
             digest = hashlib.sha256(f"{_digest(function)} {described}".encode())
-            known = _compiled[(role, function)] = (digest.hexdigest(), jitted)
-    return known
+            known = _compiled[(role, function)] = (digest.hexdigest(), jitted, reads)
+    return known[:2]
 
 
 def _user_options():
@@ -184,16 +259,16 @@ def _args_value(name, args):
                          f"{type(args).__name__}")
     values = []
     for i, x in enumerate(args):
-        if isinstance(x, np.ndarray):
-            if x.dtype.kind not in "biuf":
-                _fail(TypeError, f"`{name}[{i}]` must be a bool, integer or float array, got "
-                                 f"dtype {x.dtype}")
-            values.append(np.ascontiguousarray(x))
-        elif isinstance(x, (bool, numbers.Integral, numbers.Real, np.generic)):
+        if isinstance(x, (bool, numbers.Integral, numbers.Real, np.generic)):
             values.append(x)
-        else:
-            x = _validate.as_array(f"{name}[{i}]", x)  # a torch tensor, a list
-            values.append(np.ascontiguousarray(x))
+            continue
+        x = _validate.as_array(f"{name}[{i}]", x)  # a torch tensor, a list
+        if x.dtype == np.float16 or _validate._is_bfloat16(x.dtype):
+            x = x.astype(np.float32)  # read widened, as the kernels read such q, k, v
+        if x.dtype.kind not in "biuf":
+            _fail(TypeError, f"`{name}[{i}]` must be a bool, integer or float array, got "
+                             f"dtype {x.dtype}")
+        values.append(np.ascontiguousarray(x))
     return tuple(values)
 
 

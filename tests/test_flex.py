@@ -313,6 +313,82 @@ def test_a_function_that_can_raise_is_refused_before_any_work(case):
         cpuflash.flex_attention(q, k, v, score_mod=calls_a_raising_helper)
 
 
+BIAS = np.zeros(4, np.float32)  # read by `global_bias` as a global: refused
+SHIFT = 0.5  # read by `global_shift`: a constant, rebound by the test
+
+
+def global_bias(score, b, h, q_idx, kv_idx):
+    return score + BIAS[h] * (kv_idx == 0)
+
+
+def global_shift(score, b, h, q_idx, kv_idx):
+    return score + SHIFT * (kv_idx == 0)
+
+
+def test_a_global_that_can_change_is_refused_and_a_rebound_one_is_read_again(case):
+    """Numba compiles a global's value into the function: a user function must not compute
+    with what the call does not give it, however the global changes between calls."""
+    global BIAS, SHIFT
+    q, k, v, _, _ = case
+
+    def expected(shift):
+        bias = np.zeros(q.shape[:2] + (q.shape[2], k.shape[2]), np.float32)
+        bias[..., 0] = shift
+        return cpuflash.attention(q, k, v, bias=bias)
+
+    with pytest.raises(TypeError, match=r"`score_mod` \(global_bias\) reads the global `BIAS`, "
+                                        r"a numpy.ndarray.*Pass it in `score_args`"):
+        cpuflash.flex_attention(q, k, v, score_mod=global_bias)
+    saved_bias, saved_shift = BIAS, SHIFT
+    try:
+        BIAS = BIAS + 100  # rebound to another array: refused all the same
+        with pytest.raises(TypeError, match="reads the global `BIAS`"):
+            cpuflash.flex_attention(q, k, v, score_mod=global_bias)
+        first = cpuflash.flex_attention(q, k, v, score_mod=global_shift)
+        assert_same_bits(first, expected(0.5))
+        SHIFT = 3.0  # after a first call: the next call computes with the new value
+        assert_same_bits(cpuflash.flex_attention(q, k, v, score_mod=global_shift),
+                         expected(3.0))
+    finally:
+        BIAS, SHIFT = saved_bias, saved_shift
+
+    table = [0.0, 1.0]
+
+    def closes_over_a_list(b, h, q_idx, kv_idx):
+        return table[0] == 0.0
+
+    with pytest.raises(TypeError, match=r"`mask_mod` .* reads `table` from its closure, a "
+                                        r"builtins.list.*Pass it in `mask_args`"):
+        cpuflash.flex_attention(q, k, v, mask_mod=closes_over_a_list)
+
+
+def test_a_closure_over_a_torch_tensor_is_refused_with_the_fix(case):
+    torch = pytest.importorskip("torch")
+    q, k, v, _, _ = case
+    table = torch.zeros(4)
+
+    def closes_over_a_tensor(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    with pytest.raises(TypeError, match=r"reads `table` from its closure, a torch.Tensor.*"
+                                        r"Pass it in `score_args`"):
+        cpuflash.flex_attention(q, k, v, score_mod=closes_over_a_tensor)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_score_args_are_read_widened(case, dtype):
+    """torch's FlexAttention code keeps its tables in the model's dtype."""
+    q, k, v, table, _ = case
+    if dtype == "bfloat16":
+        half = table.astype(pytest.importorskip("ml_dtypes").bfloat16)
+    else:
+        half = table.astype(np.float16)
+    out = cpuflash.flex_attention(q, k, v, score_mod=rel_bias, score_args=(half,))
+    widened = half.astype(np.float32)
+    assert_same_bits(out, cpuflash.flex_attention(q, k, v, score_mod=rel_bias,
+                                                  score_args=(widened,)))
+
+
 def test_mask_mod_must_return_a_bool(case):
     q, k, v, _, _ = case
 
