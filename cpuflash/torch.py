@@ -462,7 +462,8 @@ class _FlexCall:
         self.tensor_slots = [i for i, x in enumerate(score_args) if isinstance(x, torch.Tensor)]
         # dscore_args from cpuflash holds one array per float array of score_args, in order
         self.float_slots = [i for i, x in enumerate(self.keywords["score_args"])
-                            if isinstance(x, np.ndarray) and x.dtype.kind == "f"]
+                            if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or
+                                                              _validate._is_bfloat16(x.dtype))]
 
 
 class _FlexFunction(torch.autograd.Function):

@@ -182,6 +182,23 @@ def test_score_args_tensor_without_score_mod_grad_gets_no_gradient(gen):
     assert table.grad is None and q.grad is not None
 
 
+def test_a_bfloat16_table_as_torch_code_keeps_it(gen):
+    """torch's own FlexAttention tests build their tables in the model's dtype: read widened,
+    with the gradient in the table's dtype."""
+    q, k, v = qkv(gen, 1, 2, 2, 40, 40, 16, torch.float32)
+    table = (torch.randn(2, 2 * N_REL, generator=gen) * 0.5).bfloat16().requires_grad_(True)
+    out = ct.flex_attention(q, k, v, score_mod=rel_bias, score_args=(table,),
+                            score_mod_grad=rel_bias_grad)
+    widened = table.detach().float().requires_grad_(True)
+    again = ct.flex_attention(q, k, v, score_mod=rel_bias, score_args=(widened,),
+                              score_mod_grad=rel_bias_grad)
+    assert torch.equal(out, again)
+    out.sum().backward()
+    again.sum().backward()
+    assert table.grad.dtype == torch.bfloat16
+    assert torch.equal(table.grad, widened.grad.bfloat16())
+
+
 def test_under_torch_compile(gen):
     """A graph break: the torch code around the call compiles, the call runs as in eager."""
     q, k, v = qkv(gen, 2, 3, 3, 77, 77, 24, torch.float32)
