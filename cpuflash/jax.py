@@ -291,9 +291,20 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return (out, lse) if return_lse else out
 
 
+class _NoCuDNNError(RuntimeError, ValueError):
+    """``implementation="cudnn"`` on the CPU: a RuntimeError, as ``jax.nn.dot_product_attention``
+    raises without cuDNN, and a ValueError, as cpuflash raises for an argument it cannot take."""
+
+
+# What jax.nn.dot_product_attention's residual holds for a query row that sees no key: the
+# log-sum-exp of its masked logits, which are all its masking constant -0.7 * (float32 max)
+# (adding log(S) to it changes no bit in float32, where jax takes the log-sum-exp).
+_JAX_NO_KEY_LSE = np.float32(-0.7 * np.finfo(np.float32).max)
+
+
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size=None):
+                          local_window_size=None, implementation=None, return_residual=False):
     """A drop-in for ``jax.nn.dot_product_attention`` on the CPU, with jax's semantics.
 
     Parameters
@@ -320,19 +331,33 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         take no part.
     local_window_size : int or (left, right), optional
         Query ``i`` sees keys ``i - left <= j <= i + right`` (an int is symmetric).
+    implementation : None, "xla" or "cudnn"
+        jax's choice of backend. None and "xla" give jax's XLA semantics, which this function
+        computes with cpuflash's kernels. "cudnn" asks for cuDNN's GPU kernel, which a CPU does
+        not have: it raises an error that is a RuntimeError (what jax raises on a machine
+        without cuDNN) and a ValueError. Anything else is a ValueError, as in jax.
+    return_residual : bool
+        Also return the log-sum-exp of each query row's logits (``scale * q k^T + bias``,
+        natural log), as jax does.
 
     Returns
     -------
-    array shaped like `query`, the dtype of `query`
+    out : array shaped like `query`, the dtype of `query`
+    residual : (B, T, N) or (T, N) array, the dtype of `query`, only with ``return_residual``
+        The log-sum-exp, as ``jax.nn.dot_product_attention`` returns it; it carries no gradient
+        (jax stops it too).
 
     Notes
     -----
     One difference from jax: a query row that sees no key at all (every key masked) gives 0
     and zero gradients here, where ``jax.nn.dot_product_attention`` gives the mean of the
-    values (its masked logits are a large negative number, not -inf). Masks that cpuflash's
-    bottom-right window can express (the rules above with ``T == S``, and most with
-    ``T != S``) cost no memory; the others become an explicit (T, S) mask. float16 and
-    bfloat16 are computed with float32 accumulation, as jax does.
+    values (its masked logits are a large negative number, not -inf). The residual of such a
+    row, and of a padding row ``i >= query_seq_lengths[b]``, is jax's: the log-sum-exp of
+    logits that are all jax's masking constant, ``-0.7 * float32 max`` (about -2.4e38; -inf in
+    float16), not cpuflash's -inf, so that code which combines residuals sees the numbers it
+    sees from jax. Masks that cpuflash's bottom-right window can express (the rules above
+    with ``T == S``, and most with ``T != S``) cost no memory; the others become an explicit
+    (T, S) mask. float16 and bfloat16 are computed with float32 accumulation, as jax does.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     shape = query.shape
@@ -372,6 +397,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                 raise ValueError(f"`{name}` must be an int array of shape ({batch},), got "
                                  f"{x.dtype} {x.shape}")
         lengths[name] = x
+    if implementation == "cudnn":
+        raise _NoCuDNNError(
+            "`implementation` 'cudnn' asks for cuDNN's GPU kernel, which cpuflash on the CPU "
+            "is not (jax.nn.dot_product_attention raises RuntimeError 'cuDNN is not detected.' "
+            "here too): pass implementation=None or 'xla', whose results cpuflash computes")
+    if implementation not in (None, "xla"):
+        raise ValueError(f"`implementation` must be None, 'xla' or 'cudnn', got "
+                         f"{implementation!r}")
     window, visible = _visibility(is_causal, local_window_size, n_q, n_k)
     if visible is not None:
         mask = visible if mask is None else jnp.logical_and(mask, visible)
@@ -381,13 +414,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         mask = filled if mask is None else jnp.logical_and(mask, filled)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    out = attention(query, key, value, scale=scale, window=window, bias=bias, mask=mask,
-                    layout="bshd")
+    out, lse = attention(query, key, value, scale=scale, window=window, bias=bias, mask=mask,
+                         layout="bshd", return_lse=True)
     q_lengths = lengths["query_seq_lengths"]
     if q_lengths is not None:  # padding rows give 0, as jax gives
         rows = jnp.arange(n_q)[None, :, None, None] < q_lengths[:, None, None, None]
         out = jnp.where(rows, out, jnp.zeros((), out.dtype))
-    return jnp.reshape(out, shape)
+    out = jnp.reshape(out, shape)
+    if not return_residual:
+        return out
+    residual = jnp.swapaxes(jax.lax.stop_gradient(lse), 1, 2)  # (B, N, T) -> jax's (B, T, N)
+    no_key = jnp.isneginf(residual)
+    if q_lengths is not None:
+        no_key = no_key | (jnp.arange(n_q)[None, :, None] >= q_lengths[:, None, None])
+    residual = jnp.where(no_key, _JAX_NO_KEY_LSE.astype(residual.dtype), residual)
+    return out, jnp.reshape(residual.astype(query.dtype), shape[:-1])
 
 
 def _integer(x):

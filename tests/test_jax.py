@@ -255,6 +255,67 @@ def test_dot_product_attention_matches_jax(rng, case):
     assert not np.any(got[~seen])  # where jax averages all the values, cpuflash gives 0
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
+@pytest.mark.parametrize("case", DPA_CASES)
+def test_dot_product_attention_residual_matches_jax(rng, case, implementation):
+    """`implementation=` and `return_residual=` as jax takes them: the same output and the
+    same residual (the log-sum-exp, (B, T, N)), under jit; rows that see no key hold jax's
+    own number there."""
+    t, s = DPA_CASES[case].get("sizes", (21, 27))
+    query, key, value = dpa_inputs(rng, t=t, s=s)
+    keywords = dpa_keywords(rng, case, np.float32)
+    keywords.update(implementation=implementation, return_residual=True)
+    got_out, got = jax.jit(lambda q, k, v: cj.dot_product_attention(q, k, v, **keywords))(
+        query, key, value)
+    expected_out, expected = jax.nn.dot_product_attention(query, key, value, **keywords)
+    assert got.shape == expected.shape == (2, t, 4) and got.dtype == expected.dtype
+    seen = np.swapaxes(np.broadcast_to(seen_rows(query, key, keywords), (2, 4, t)), 1, 2)
+    if "query_seq_lengths" in keywords:  # jax masks every logit of a padding row
+        seen = seen & (np.arange(t)[None, :, None]
+                       < keywords["query_seq_lengths"][:, None, None])
+    got, expected = np.asarray(got), np.asarray(expected)
+    np.testing.assert_allclose(got[seen], expected[seen], rtol=2e-6, atol=2e-5)
+    np.testing.assert_array_equal(got[~seen], expected[~seen])
+    np.testing.assert_allclose(np.asarray(got_out)[seen], np.asarray(expected_out)[seen],
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_dot_product_attention_residual_dtypes_and_grad(rng):
+    """The residual has the dtype of `query` and jax's (T, N) shape for 3-D inputs, and, as
+    in jax, carries no gradient: a loss through it differentiates to zero."""
+    for dtype in (np.float16, low_precision_dtype("bfloat16")):
+        query, key, value = (x[0] for x in dpa_inputs(rng, dtype=dtype))
+        _, got = cj.dot_product_attention(query, key, value, is_causal=True,
+                                          return_residual=True)
+        _, expected = jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                                   return_residual=True)
+        assert got.shape == expected.shape == query.shape[:-1] and got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                   np.asarray(expected, np.float32), rtol=1e-2)
+    query, key, value = dpa_inputs(rng)
+
+    def loss(function):
+        def f(q):
+            out, residual = function(q, key, value, is_causal=True, return_residual=True)
+            return jnp.sum(out ** 2) + jnp.sum(residual)
+        return f
+
+    got = jax.jit(jax.grad(loss(cj.dot_product_attention)))(query)
+    expected = jax.grad(loss(jax.nn.dot_product_attention))(query)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_dot_product_attention_implementation_cudnn(rng):
+    """On the CPU jax raises RuntimeError for cuDNN; the drop-in raises one that is also a
+    ValueError, naming the argument."""
+    query, key, value = dpa_inputs(rng)
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        jax.nn.dot_product_attention(query, key, value, implementation="cudnn")
+    for error in (RuntimeError, ValueError):
+        with pytest.raises(error, match="`implementation` 'cudnn'"):
+            cj.dot_product_attention(query, key, value, implementation="cudnn")
+
+
 def test_dot_product_attention_no_key_rows(rng):
     query, key, value = dpa_inputs(rng)
     lengths = np.array([27, 0], dtype=np.int32)
@@ -265,6 +326,13 @@ def test_dot_product_attention_no_key_rows(rng):
     np.testing.assert_allclose(np.asarray(expected[1, 0, 0]), value[1].mean(0)[0], rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(expected[0]), rtol=2e-5, atol=2e-5)
+    # the residual there is jax's, not -inf
+    _, got = cj.dot_product_attention(query, key, value, key_value_seq_lengths=lengths,
+                                      return_residual=True)
+    _, expected = jax.nn.dot_product_attention(query, key, value, key_value_seq_lengths=lengths,
+                                               return_residual=True)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(expected[1]))
+    assert np.all(np.isfinite(np.asarray(got[1])))
 
 
 def test_dot_product_attention_three_dims_and_half(rng):
@@ -395,6 +463,8 @@ DPA_ERRORS = [
      lambda q, k, v: ((q, k, v), {"key_value_seq_lengths": np.array([3, 4, 5])})),
     (ValueError, "`local_window_size` must be an int or a pair",
      lambda q, k, v: ((q, k, v), {"local_window_size": (1.5, 2)})),
+    (ValueError, "`implementation` must be None, 'xla' or 'cudnn', got 'flash'",
+     lambda q, k, v: ((q, k, v), {"implementation": "flash"})),
     (ValueError, "`bias` must be broadcastable",
      lambda q, k, v: ((q, k, v), {"bias": np.zeros((3, 27), np.float32)})),
 ]
