@@ -18,6 +18,7 @@ import inspect
 import math
 import numbers
 import sys
+import warnings
 
 import numba
 import numpy as np
@@ -41,8 +42,30 @@ LAYOUTS = ("bhsd", "bshd")
 WINDOW_LIMIT = 2 ** 40
 
 
+# more query heads than any model has (MQA and DeepSeek's MLA put at most 128 on a kv head)
+MOST_HEADS = 256
+
+
 def _fail(exc, message):
     raise exc(message) from None
+
+
+def _warn_bshd_look(shape):
+    """Warn that 4-D arrays read as (batch, heads, seqlen, dim) look like flash-attn's
+    (batch, seqlen, heads, dim): the shapes agree, and the result would be wrong unasked."""
+    warnings.warn(f"`q` of shape {shape} is read as {shape[1]} heads of {shape[2]} rows "
+                  f"(layout \"bhsd\", the default): more heads than rows and than any model "
+                  f"has. If these are flash-attn's (batch, seqlen, heads, dim) arrays, pass "
+                  f"`layout=\"bshd\"`", UserWarning, stacklevel=_caller_level())
+
+
+def _caller_level():
+    """The `stacklevel` of the first caller outside cpuflash (a warning points at its line)."""
+    package = __file__.rsplit("_validate.py", 1)[0]
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _is_bfloat16(dtype):
@@ -460,6 +483,8 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
             _fail(ValueError, f"`q`, `k`, `v` must have equal leading (batch) axes, got "
                               f"shapes {q.shape}, {k.shape}, {v.shape}")
         q4, k4, v4 = (x if x.ndim >= 3 else x[None] for x in (q, k, v))
+        if q.ndim == 4 and q.shape[1] > max(q.shape[2], MOST_HEADS):
+            _warn_bshd_look(q.shape)
     batch = math.prod(lead)
     n_heads, n_kv_heads, n_q, n_k, d, d_v = head_dims(q4, k4, v4)
     q4, k4, v4 = (x.reshape((batch,) + x.shape[-3:]) for x in (q4, k4, v4))

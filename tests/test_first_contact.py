@@ -5,6 +5,7 @@ dropped silently)."""
 import inspect
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -84,6 +85,22 @@ def test_no_hint_when_another_argument_fails_as_bshd_too(rng):
     q, k, v = flash_attn_qkv(rng)
     with pytest.raises(ValueError, match=r"key/value heads \(12\)$"):
         cpuflash.attention(q, k, v, window=(-3, 0))
+
+
+def test_bshd_arrays_whose_shapes_agree_as_bhsd_get_a_warning(rng):
+    """(2, 512, 8, 64) passes as 512 heads of 8 rows: a wrong answer without a word, unless
+    the call warns."""
+    q, k, v = (rng.standard_normal((2, 512, 8, 16)).astype(f32) for _ in range(3))
+    with pytest.warns(UserWarning, match=r"read as 512 heads of 8 rows.*" + LAYOUT_HINT) as seen:
+        cpuflash.attention(q, k, v)
+    assert seen[0].filename == __file__  # it points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cpuflash.attention(q, k, v, layout="bshd")
+        # a model's shapes: few heads, or more rows than heads
+        cpuflash.attention(q[:, :8], k[:, :8], v[:, :8])
+        x = rng.standard_normal((1, 300, 400, 8)).astype(f32)
+        cpuflash.attention(x, x, x)
 
 
 # -- flash-attn's and torch's keyword names
