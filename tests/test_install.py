@@ -108,3 +108,37 @@ def test_read_only_install_caches_elsewhere(tmp_path):
     assert file_states(home) == home_cache, "the second run did not reuse the cache under HOME"
     assert any(p.endswith(".nbc") for p in file_states(tmp)), \
         f"with HOME read-only, no cache under TMPDIR: {sorted(file_states(tmp))}"
+
+
+@pytest.mark.slow
+def test_editable_install_imports_from_the_folder_that_holds_the_clone(tmp_path):
+    """Cloned into ``~/cpuflash`` and used from ``~``: the clone's folder (no __init__.py) is a
+    namespace package there, and `import cpuflash` must still find the installed package."""
+    clone = tmp_path / "cpuflash"
+    ignore = shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc", "*.pyc", "*.egg-info")
+    shutil.copytree(REPO_DIR / "cpuflash", clone / "cpuflash", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_DIR / name, clone / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # the fresh venv sees this one's packages (numba, setuptools) after its own
+    site = subprocess.run([str(python), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    here = subprocess.run([sys.executable, "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "zz_this_venv.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    result = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                             "--quiet", "--disable-pip-version-check", "--no-deps",
+                             "--no-build-isolation", "--no-index", "-e", str(clone)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, explain(result)
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    result = subprocess.run([str(python), "-m", "cpuflash", "info"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "CPU:" in result.stdout, explain(result)
+    result = subprocess.run([str(python), "-c", "import cpuflash; print(cpuflash.__file__)"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert Path(result.stdout.strip()) == clone / "cpuflash" / "__init__.py", explain(result)
