@@ -692,26 +692,37 @@ def _cell(result):
     return f"{result['gflops']:.1f}"
 
 
-# What the project measured on each CPU class with the full `python -m cpuflash bench` (2
-# threads, float32; docs/performance.md has the tables and dates): cpuflash's forward over torch
-# SDPA's, lowest and highest over the cases. `expectation` sets a user's run beside these.
+# The CPU classes the project measured, by their row of the README's table "Performance: what
+# speed to expect", whose first column of ratios (the forward over torch SDPA with the full
+# `python -m cpuflash bench`, lowest and highest over the cases) is read from the README itself:
+# one place for those figures. `expectation` sets a user's run beside them.
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 CPU_CLASSES = (
-    # (name, test on cpu_info(), (lowest, highest) cpuflash/torch)
-    ("AMD EPYC Zen 2/3 (AVX2, no AVX-512)",
-     lambda m: m["llvm_cpu"] in ("znver2", "znver3"), (0.74, 1.30)),
-    ("AMD EPYC Zen 4 (AVX-512)", lambda m: m["llvm_cpu"] == "znver4", (1.11, 1.65)),
-    ("AMD EPYC Zen 5 (AVX-512)", lambda m: m["llvm_cpu"] == "znver5", (1.69, 2.62)),
-    ("Intel Xeon with AMX (Sapphire Rapids class)",
-     lambda m: "amx-tile" in m["simd"], (1.02, 1.42)),
+    # (the README's row, test on cpu_info())
+    ("AMD EPYC Zen 3 (AVX2)", lambda m: m["llvm_cpu"] in ("znver2", "znver3")),
+    ("AMD EPYC Zen 4 (AVX-512)", lambda m: m["llvm_cpu"] == "znver4"),
+    ("AMD EPYC Zen 5 (AVX-512)", lambda m: m["llvm_cpu"] == "znver5"),
+    ("Intel Xeon, Sapphire Rapids class (AMX)", lambda m: "amx-tile" in m["simd"]),
 )
+
+
+def readme_ratios(name, readme=README):
+    """(lowest, highest) cpuflash/torch of the README's row `name`: the cell ``a-bx`` after it."""
+    with open(readme, encoding="utf-8") as f:
+        for line in f:
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if cells[0] == name and len(cells) > 1:
+                low, high = cells[1].rstrip("x").split("-")
+                return float(low), float(high)
+    raise ValueError(f"the README has no row {name!r} in its speed table")
 
 
 def cpu_class(machine):
     """``(name, (lowest, highest))`` of the first of `CPU_CLASSES` that `machine` (a
     `cpuflash.cpu_info` dict) belongs to, or None for a class the project has not measured."""
-    for name, belongs, ratios in CPU_CLASSES:
+    for name, belongs in CPU_CLASSES:
         if belongs(machine):
-            return name, ratios
+            return name, readme_ratios(name)
     return None
 
 
