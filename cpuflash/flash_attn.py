@@ -138,6 +138,8 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
 def _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_left,
              window_right, softcap, alibi_slopes, num_splits):
     """The decoding call's work, shared by the operator and the eager path: (out, lse)."""
+    if block_table is not None:  # here, on real lengths, so torch.compile traces no .max()
+        _check_block_table_capacity(block_table, k_cache, k, cache_seqlens)
     out, lse = api.attention_with_kvcache(
         _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), k=_as_numpy(k), v=_as_numpy(v),
         cache_seqlens=_as_numpy(cache_seqlens), block_table=_as_numpy(block_table),
@@ -393,6 +395,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         Entry ``b``'s keys start at row ``cache_leftpad[b]`` (rows before it are not keys).
     block_table : (batch_size, max_num_blocks_per_seq) int32 tensor, optional
         Paged cache; not together with `cache_batch_idx` or `cache_leftpad` (as in flash-attn).
+        Keys past its ``max_num_blocks_per_seq * page_block_size`` rows (``cache_seqlens``
+        plus the new keys) raise, as flash-attn raises, an error that is a RuntimeError and a
+        ValueError.
     rotary_interleaved : bool
         True rotates dims (0, 1), (2, 3), ...; False rotates (i, i + rotary_dim / 2) (GPT-NeoX).
     softmax_scale, causal, window_size, softcap, alibi_slopes
@@ -433,6 +438,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             _scale(softmax_scale), left, right, softcap, alibi_slopes,
                             int(num_splits))
     return (out, lse) if return_softmax_lse else out
+
+
+class _BlockTableCapacityError(RuntimeError, ValueError):
+    """Keys past what `block_table` can address. flash-attn raises RuntimeError there (a
+    host-side check in ``mha_fwd_kvcache``) and code written for it catches that; cpuflash
+    raises ValueError for bad arguments, so this is both."""
+
+
+def _check_block_table_capacity(block_table, k_cache, k, cache_seqlens):
+    """flash-attn's check that every sequence's keys (``cache_seqlens[b]`` plus the new ones)
+    fit in the pages its row of `block_table` has room for. Tables and lengths of the wrong
+    shape are left to cpuflash's own checks, which name them."""
+    if block_table.dim() != 2 or k_cache.dim() != 4 or cache_seqlens is None or \
+            cache_seqlens.dim() != 1 or cache_seqlens.numel() == 0:
+        return
+    n_new = 0 if k is None or k.dim() != 4 else k.shape[1]
+    blocks, page_rows = block_table.shape[1], k_cache.shape[1]
+    longest = int(cache_seqlens.max()) + n_new
+    if longest > blocks * page_rows:
+        raise _BlockTableCapacityError(
+            f"`block_table` has room for {blocks * page_rows} keys a sequence "
+            f"(max_num_blocks_per_seq {blocks} x page_block_size {page_rows}), but "
+            f"`cache_seqlens` plus {n_new} new keys reaches {longest}: give `block_table` "
+            f"more columns")
 
 
 def _rotate(q, k, cos, sin, cache_seqlens, interleaved, per_query):

@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: cpuflash.flash_attn needs it")
 fa = pytest.importorskip("cpuflash.flash_attn", reason="cpuflash.flash_attn could not be imported")
 
+import cpuflash  # noqa: E402
 from accuracy import assert_close_to_reference  # noqa: E402
 from helpers import check_varlen, cu_seqlens, packed, visible  # noqa: E402
 
@@ -552,6 +553,45 @@ def test_kvcache_errors(gen):
         fa.flash_attn_with_kvcache(q, seq_first, seq_first.clone(), k, v, cache_seqlens=seqlens,
                                    cache_leftpad=torch.tensor([3, 0], dtype=torch.int32))
     assert torch.equal(k_cache, taken)  # nothing written by a call that failed
+
+
+def test_kvcache_paged_block_table_bounds(gen):
+    """flash-attn's test_flash_attn_kvcache_paged_block_table_bounds: keys past the rows the
+    block table addresses (max_num_blocks_per_seq * page_block_size) raise flash-attn's
+    RuntimeError naming `block_table`; here it is a ValueError too. cpuflash's own function
+    keeps its ValueError naming `cache_seqlens`."""
+    q, _, _, k, v = kvcache_case(gen, batch=2, n_new=2)
+    k_pages, v_pages = randn(gen, 6, 16, 2, 32, dtype=q.dtype), randn(gen, 6, 16, 2, 32,
+                                                                      dtype=q.dtype)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)  # room for 32 keys a sequence
+    taken = k_pages.clone()
+    for error in (RuntimeError, ValueError):
+        # the cache alone past the table
+        with pytest.raises(error, match=r"`block_table` has room for 32 keys .* "
+                                        r"`cache_seqlens` plus 0 new keys reaches 33"):
+            fa.flash_attn_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                       cache_seqlens=torch.tensor([5, 33], dtype=torch.int32))
+        # a cache full to the table's capacity, plus new keys
+        with pytest.raises(error, match=r"`block_table` .* plus 2 new keys reaches 34"):
+            fa.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, block_table=table,
+                                       cache_seqlens=torch.tensor([32, 3], dtype=torch.int32))
+    assert torch.equal(k_pages, taken)  # nothing written
+    # up to the capacity is fine
+    fa.flash_attn_with_kvcache(q, k_pages, v_pages, k, v, block_table=table,
+                               cache_seqlens=torch.tensor([30, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`cache_seqlens` must lie in \[0, 30\]") as caught:
+        cpuflash.attention_with_kvcache(
+            q.numpy(), k_pages.numpy(), v_pages.numpy(), k=k.numpy(), v=v.numpy(),
+            cache_seqlens=np.array([32, 3], dtype=np.int32), block_table=table.numpy(),
+            layout="bshd")
+    assert not isinstance(caught.value, RuntimeError)
+    # the check reads the lengths when the operator runs: a compiled call keeps its one graph
+    decode = torch.compile(lambda seqlens: fa.flash_attn_with_kvcache(
+        q, k_pages, v_pages, block_table=table, cache_seqlens=seqlens), fullgraph=True,
+        backend="eager")
+    decode(torch.tensor([5, 32], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="`block_table`"):
+        decode(torch.tensor([5, 40], dtype=torch.int32))
 
 
 # ------------------------------------------------------------------------------------------------
