@@ -115,6 +115,10 @@ def input_dtype(q, k, v, names=("q", "k", "v")):
     """The shared dtype of q, k, v; a TypeError naming the dtypes otherwise."""
     dtypes = (q.dtype, k.dtype, v.dtype)
     what = "`{}`, `{}` and `{}`".format(*names)
+    for name, dtype in zip(names, dtypes):
+        if dtype.kind == "c":
+            _fail(TypeError, f"`{name}` is {dtype}: complex attention is not supported (q, k, v "
+                             f"must be float32, float64, float16 or bfloat16)")
     if not (dtypes[0] == dtypes[1] == dtypes[2]):
         _fail(TypeError, f"{what} must share one dtype, got "
                          f"{dtypes[0]}, {dtypes[1]} and {dtypes[2]}")

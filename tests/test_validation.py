@@ -71,7 +71,10 @@ ATTENTION = [
     case("int dtype", TypeError, r"share one dtype.*int32", q=np.ones((2, 4, 10, 8), np.int32)),
     case("all int", TypeError, r"must be float32, float64, float16 or bfloat16, got int64",
          **qkv((2, 2, 3, 4), np.int64)),
-    case("complex", TypeError, r"complex64", **qkv((2, 2, 3, 4), np.complex64)),
+    case("complex", TypeError, r"`q` is complex64: complex attention is not supported",
+         **qkv((2, 2, 3, 4), np.complex64)),
+    case("complex q alone", TypeError, r"`q` is complex128: complex attention is not supported",
+         q=np.ones((2, 4, 10, 8), np.complex128)),
     case("object", TypeError, r"object", **qkv((2, 2, 3, 4), object)),
     case("strings", TypeError, r"<U1", q=np.full((2, 2, 3, 4), "a"), k=np.full((2, 2, 3, 4), "a"),
          v=np.full((2, 2, 3, 4), "a")),
@@ -199,7 +202,7 @@ VARLEN = [
     # arrays and dtypes
     case("q list", TypeError, r"`q` must be an array, got list", q=[[[1.0]]]),
     case("int", TypeError, r"`q`, `k` and `v` must be float32.*got int64", **cast(int, int, int)),
-    case("complex", TypeError, r"`q`, `k` and `v` .*complex64",
+    case("complex", TypeError, r"`q` is complex64: complex attention is not supported",
          **cast(np.complex64, np.complex64, np.complex64)),
     case("mixed", TypeError,
          r"`q`, `k` and `v` must share one dtype, got float32, float32 and float64",
@@ -303,8 +306,8 @@ KVCACHE = [
     case("q dtype", TypeError,
          r"`q`, `k_cache` and `v_cache` must share one dtype, got float64, float32",
          q=lambda a: a["q"].astype(np.float64)),
-    case("complex", TypeError, r"`v_cache` must share one dtype, got float32, float32 and "
-         r"complex64", v_cache=lambda a: a["v_cache"].astype(np.complex64)),
+    case("complex", TypeError, r"`v_cache` is complex64: complex attention is not supported",
+         v_cache=lambda a: a["v_cache"].astype(np.complex64)),
     case("new v dtype", TypeError, r"`k` and `v` must have the dtype of the cache",
          v=lambda a: a["v"].astype(np.float16)),
     case("new k dtype", TypeError, r"`k` and `v` must have the dtype of the cache \(float32\), "
