@@ -235,10 +235,12 @@ def _warmup(arguments):
             call()
             print(f"{name:9s} {what:18s} ready in {time.perf_counter() - start:5.1f} s",
                   flush=True)
-    # the merge of a decoding call's key splits runs in float32 or float64 (the compute dtype)
+    # the merge of a decoding call's key splits runs in the compute dtype: float64 for float64,
+    # float32 for the others (8-bit caches included)
     from cpuflash import _combine
 
-    for name in ("float32", "float64"):
+    merges = {"float64" if name == "float64" else "float32": None for name in dtypes}
+    for name in sorted(merges, key=("float32", "float64").index):
         start = time.perf_counter()
         _combine._merge_kernel.specialize(np.dtype(name))
         print(f"{name:9s} {'split merge':18s} ready in {time.perf_counter() - start:5.1f} s",
