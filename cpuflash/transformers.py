@@ -461,14 +461,15 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 class QuantizedKVCache(transformers.cache_utils.Cache):
     """A KV cache of 8-bit keys and values that cpuflash attends to without dequantizing it.
 
-    Pass it as ``past_key_values=`` to a model on the "cpufa" attention implementation
-    (`register`). Each layer keeps its keys and values as int8 (or float8_e4m3fn) rows with one
-    float32 scale per (token, head), as `cpuflash.quantize_kv` makes them: about 0.27x the bytes
-    of a float32 cache at head dim 64 (0.26x at 128), plus, once decoding has begun, at most a
-    sixteenth spare (64 tokens for short sequences). New keys are quantized as they come, and
-    the decode kernel reads the 8-bit rows in place, widening them in registers
-    (`cpuflash.attention_with_kvcache`). Batches with padding, and gradients, attend to a
-    dequantized copy instead.
+    Pass it as ``cache=`` to ``model.forward`` or ``model.generate`` of a model on the "cpufa"
+    attention implementation (`register`): transformers 5.24 takes that name, and its older
+    ``past_key_values=`` still works but warns that it is deprecated. Each layer keeps its keys
+    and values as int8 (or float8_e4m3fn) rows with one float32 scale per (token, head), as
+    `cpuflash.quantize_kv` makes them: about 0.27x the bytes of a float32 cache at head dim 64
+    (0.26x at 128), plus, once decoding has begun, at most a sixteenth spare (64 tokens for
+    short sequences). New keys are quantized as they come, and the decode kernel reads the
+    8-bit rows in place, widening them in registers (`cpuflash.attention_with_kvcache`).
+    Batches with padding, and gradients, attend to a dequantized copy instead.
 
     Parameters
     ----------
