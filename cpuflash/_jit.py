@@ -459,6 +459,11 @@ def _notice_on_compile(dispatcher, done, name, key):
             return
 
 
+# what a kernel's first compile takes on 2 cores, over the CPUs measured (docs/performance.md,
+# "Compile time"): the compile notice, the README and docs/flex.md quote this one figure
+COMPILE_TIME = "5-20 s"
+
+
 def _tell_compiling(name, key):
     """One line on stderr, once per process, unless CPUFLASH_QUIET is set."""
     if _noticed.is_set() or os.environ.get("CPUFLASH_QUIET", "") not in ("", "0"):
@@ -467,9 +472,8 @@ def _tell_compiling(name, key):
     dtype = np.dtype(key[0] if isinstance(key, tuple) else key).name
     where = cache_location()[0]
     kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
-    # the time: measured (docs/performance.md, "Compile time"), quoted in the README too
-    print(f"cpuflash: compiling the {dtype} {name} kernel, once per machine (5-8 s per kernel "
-          f"on 2 cores of an AMD EPYC Zen 4; {kept}; CPUFLASH_QUIET=1 hides this line)",
+    print(f"cpuflash: compiling the {dtype} {name} kernel ({COMPILE_TIME} a kernel on 2 cores, "
+          f"by CPU), once per cache folder ({kept}; CPUFLASH_QUIET=1 hides this line)",
           file=sys.stderr, flush=True)
 
 

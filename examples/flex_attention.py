@@ -4,8 +4,8 @@ learned relative-position bias, each checked against the built-in call that mean
     python examples/flex_attention.py           # B=2, H=8, N=1024, D=64
     python examples/flex_attention.py --small   # B=2, H=4, N=256, D=32, used by the tests
 
-Each new function compiles a kernel with it inlined (about 4-9 s, once: the kernel is cached
-on disk, so a second run starts at once).
+Each new function compiles a kernel with it inlined (5-20 s a kernel on 2 cores, by CPU; once:
+the kernel is cached on disk, so a second run starts at once).
 """
 
 import argparse

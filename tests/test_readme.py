@@ -82,3 +82,20 @@ def test_optional_imports_are_detected():
     code = "import cpuflash.torch\nfrom mpi4py import MPI\n"
     expected = sorted(p for p in ("torch", "mpi4py") if importlib.util.find_spec(p) is None)
     assert missing_packages(code) == expected
+
+
+def test_compile_times_are_quoted_from_one_figure():
+    """The README, docs/flex.md and the compile notice quote one measured range
+    (`_jit.COMPILE_TIME`, from docs/performance.md's "Compile time" table), not each its own."""
+    from cpuflash import _jit
+
+    seconds = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)? s\b")  # a range: what to expect
+    for path in (README, REPO_DIR / "docs" / "flex.md", REPO_DIR / "examples" / "flex_attention.py"):
+        text = path.read_text(encoding="utf-8")
+        quoted = [line for line in text.splitlines() if "compile" in line.lower()
+                  and seconds.search(line) and "warmup" not in line]
+        assert quoted, f"{path.name} says nothing of compile times"
+        for line in quoted:
+            assert _jit.COMPILE_TIME in line, f"{path.name}: {line.strip()!r}"
+    table = (REPO_DIR / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert f"`_jit.COMPILE_TIME`, \"{_jit.COMPILE_TIME}\"" in table
