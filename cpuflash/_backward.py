@@ -299,7 +299,7 @@ def _run_backward(call, grads, seqs, qkv=None, fused=None, plan=None):
         valid = (n_threads, _fuse, tiling.backward_tiles, _threads.FORKED_AFTER_OPENMP)
         launch = _plans.launch(plan, valid,
                                lambda: _backward_launch(call, seqs, n_threads, fused))
-    kernel, schedule, acc_columns, mods = launch
+    kernel, schedule, acc_columns, pipeline = launch
     tiles, q_items, q_chunks, k_items, k_chunks, fused = schedule
     dq, dk, dv = grads.kernel
     dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0, acc_columns),
@@ -307,12 +307,12 @@ def _run_backward(call, grads, seqs, qkv=None, fused=None, plan=None):
     kernel(q, k, v, _validate.kernel_view(grads.out),
            _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
-           call.half_kind, mods)
+           call.half_kind, *pipeline)
     return delta
 
 
 def _backward_launch(call, seqs, n_threads, fused):
-    """(kernel, schedule, dq_acc's columns, modifiers): what the call's shapes, options and the
+    """(kernel, schedule, dq_acc's columns, pipeline): what the call's shapes, options and the
     thread count decide of the backward kernel's arguments (`_backward_schedule`)."""
     key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
            fused, _fuse, tiling.backward_tiles)
@@ -320,7 +320,7 @@ def _backward_launch(call, seqs, n_threads, fused):
     width = 2 * _simd.lanes_for(call.compute_dtype)
     kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
         call.kernel_key())
-    return kernel, schedule, -(-call.head_dim // width) * width, call.modifiers()
+    return kernel, schedule, -(-call.head_dim // width) * width, call.kernel_pipeline()
 
 
 def _backward_schedule(call, seqs, n_threads, fused):

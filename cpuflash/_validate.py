@@ -10,6 +10,7 @@ any strides in float32, float64 or uint16 (the bits of float16/bfloat16, widened
 kernel tile by tile), which keeps one compiled kernel per dtype.
 """
 
+import collections
 import copy
 import dataclasses
 import difflib
@@ -26,6 +27,7 @@ import numpy as np
 from . import _threads
 from ._quantize import QUANT_MAX, QuantizedKV, format_name
 from .kernels import _user
+from .kernels._pipeline import Pipeline, kernel_args
 from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
 from .tiling import TileConfig
 
@@ -293,11 +295,21 @@ def sinks_value(sinks, n_heads, dtype):
     return sinks
 
 
-# `user` of a call without functions of its own: (functions, score_args, mask_args, block mask
-# states, block mask's block_q, block_k, positions), see `kernels._user.tile_state`
-NO_USER_FUNCTIONS = (_user.NONE, _user.with_end(()), _user.with_end(()),
-                     np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1, False)
-_NO_USER_TYPE = numba.typeof(NO_USER_FUNCTIONS)
+# the caller's own functions (`cpuflash.flex`): the fields of the pipeline's score_mod and
+# visibility steps that they fill (`kernels._pipeline.STEPS` says what each holds)
+UserFunctions = collections.namedtuple(
+    "UserFunctions", "functions score_args mask_args block_states block_q block_k positions")
+NO_USER_FUNCTIONS = UserFunctions(_user.NONE, _user.with_end(()), _user.with_end(()),
+                                  np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1, False)
+
+
+def user_types(user):
+    """The Numba types of the user's functions and of their argument tuples: what a kernel is
+    specialized by besides its dtypes (`_pipeline.pipeline_type`)."""
+    return tuple(numba.typeof(x) for x in (user.functions, user.score_args, user.mask_args))
+
+
+_NO_USER_TYPES = user_types(NO_USER_FUNCTIONS)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True, eq=False)
@@ -384,11 +396,17 @@ class AttentionCall:
         if self.user is None:
             self.user = NO_USER_FUNCTIONS
 
-    def modifiers(self):
-        """The kernels' `mods`: the score pipeline in one tuple (`_steps.modifiers_type`)."""
+    def pipeline(self):
+        """The score pipeline as the kernels take it (`kernels._pipeline.Pipeline`)."""
         left, right = self.window
-        return (float(self.qk_scale), float(self.softcap), left, right, self.alibi, self.bias,
-                self.bias_map, self.mask, self.mask_map, self.sinks, self.user)
+        return Pipeline(scale=float(self.qk_scale), softcap=float(self.softcap),
+                        alibi=self.alibi, bias=self.bias, bias_map=self.bias_map,
+                        left=left, right=right, mask=self.mask, mask_map=self.mask_map,
+                        sinks=self.sinks, **self.user._asdict())
+
+    def kernel_pipeline(self):
+        """The score pipeline as the kernels' last arguments take it (`_pipeline.kernel_args`)."""
+        return kernel_args(self.pipeline())
 
     def plain(self):
         """Whether the call has no modifier but a causal mask or a window: its kernels are then
@@ -412,7 +430,7 @@ class AttentionCall:
 
     def kernel_key(self):
         """The key the FA-2 kernels are specialized by: dtypes, and the user's functions."""
-        user = _NO_USER_TYPE if self.user is NO_USER_FUNCTIONS else numba.typeof(self.user)
+        user = _NO_USER_TYPES if self.user is NO_USER_FUNCTIONS else user_types(self.user)
         return self.q.dtype, self.compute_dtype, user
 
     def result(self, return_lse):

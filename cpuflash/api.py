@@ -177,14 +177,14 @@ def _run_forward(call, seqs, arrays=None, plan=None):
         valid = (n_threads, tiling.choose_tiles, tiling.split_for_threads,
                  _threads.FORKED_AFTER_OPENMP)
         launch = _plans.launch(plan, valid, lambda: _forward_launch(call, seqs, n_threads))
-    kernel, items, chunk_ptr, block_q, block_k, key_align, mods = launch
+    kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline = launch
     q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
     kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
-           call.half_kind, mods)
+           call.half_kind, *pipeline)
 
 
 def _forward_launch(call, seqs, n_threads):
-    """(kernel, items, chunk_ptr, block_q, block_k, key_align, modifiers): the FA-2 kernel's
+    """(kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline): the FA-2 kernel's
     arguments that the call's shapes, options and the thread count decide."""
     key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
            call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
@@ -193,7 +193,7 @@ def _forward_launch(call, seqs, n_threads):
         key, lambda: _forward_schedule(call, seqs, n_threads))
     kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
     return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
-            call.modifiers())
+            call.kernel_pipeline())
 
 
 def _forward_schedule(call, seqs, n_threads):
@@ -449,12 +449,12 @@ class _Decode:
         self.batch, self.n_heads, self.n_kv_heads = call.batch, call.n_heads, call.n_kv_heads
         self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
         self.half_kind = call.half_kind
-        self.mods, self.user_type = call.modifiers(), call.kernel_key()[2]  # the score pipeline
+        self.pipeline, self.user_types = call.kernel_pipeline(), call.kernel_key()[2]
         self.kernel = decode_plain if call.plain() else decode  # (`kernels.decode.PLAIN`)
         # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
         # microsecond of a short call)
         self.compiled = None
-        self.sinks = call.sinks  # (also in `mods`: the merge adds them)
+        self.sinks = call.sinks  # (also in the pipeline: the merge adds them)
         self.block_table, self.page_rows = call.block_table, call.page_rows
         self.n_max = n_max  # keys of a full cache (of every batch entry)
         self.num_splits = call.num_splits
@@ -480,7 +480,9 @@ class _Decode:
     def frozen(self):
         """This setup with its arrays read-only, and the lengths of a full cache, to share."""
         self.full_keys = np.full(self.batch, self.n_max, dtype=np.int64)
-        for array in (self.block_table, self.full_keys) + self.mods[4:10]:
+        pipeline = self.pipeline[0]
+        for array in (self.block_table, self.full_keys, pipeline.alibi, pipeline.bias,
+                      pipeline.bias_map, pipeline.mask, pipeline.mask_map, pipeline.sinks):
             array.flags.writeable = False
         return self
 
@@ -643,9 +645,9 @@ def _decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, s
     kernel = setup.compiled
     if kernel is None or _threads.FORKED_AFTER_OPENMP:
         kernel = setup.compiled = setup.kernel.specialize((k.dtype, setup.compute_dtype,
-                                                           q.dtype, setup.user_type))
+                                                           q.dtype, setup.user_types))
     kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
-           plan.block_k, setup.half_kind, setup.mods, part_out, part_lse, n_threads)
+           plan.block_k, setup.half_kind, *setup.pipeline, part_out, part_lse, n_threads)
     if plan.n_splits > 1:
         out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
         _combine.merge_into(part_out, part_lse, out, lse)

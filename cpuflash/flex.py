@@ -393,7 +393,7 @@ def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask, pos
     block mask against it. `positions`: the functions see a query's position in its sequence
     (a KV cache's queries), not its row in the call."""
     score_args = _args_value("score_args", score_args)
-    states = _validate.NO_USER_FUNCTIONS[3]
+    states = _validate.NO_USER_FUNCTIONS.block_states
     block = (1, 1)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -423,8 +423,9 @@ def _user_call(call, score_mod, score_args, mask_mod, mask_args, block_mask, pos
     fns = _functions(score_mod, mask_mod, score_args, mask_args, call.compute_dtype)
     if fns is _user.NONE:
         return
-    call.user = (fns, _user.with_end(score_args), _user.with_end(mask_args), states,
-                 block[0], block[1], positions)
+    call.user = _validate.UserFunctions(
+        functions=fns, score_args=_user.with_end(score_args), mask_args=_user.with_end(mask_args),
+        block_states=states, block_q=block[0], block_k=block[1], positions=positions)
 
 
 def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mask_args=(),
@@ -530,17 +531,18 @@ def _score_grad_setup(call, score_mod, score_mod_grad):
     """(grad functions, the float arrays of score_args): checked and compiled."""
     if score_mod is None:
         _fail(ValueError, "`score_mod_grad` given without a `score_mod`")
-    float_args = [x for x in call.user[1][:-1] if isinstance(x, np.ndarray)
+    float_args = [x for x in call.user.score_args[:-1] if isinstance(x, np.ndarray)
                   and x.dtype.kind == "f"]
     if not float_args:
         _fail(ValueError, "`score_mod_grad` given, but `score_args` holds no float array to "
                           "differentiate")
-    grad_fns, jitted = _grad_functions(call.user[0], score_mod_grad)
+    grad_fns, jitted = _grad_functions(call.user.functions, score_mod_grad)
     score_type = numba.from_dtype(call.compute_dtype)
     grad_types = [numba.typeof(np.zeros((0,) * x.ndim, dtype=call.compute_dtype))
                   for x in float_args]
     arg_types = ((score_type, score_type) + (types.int64,) * 4
-                 + tuple(numba.typeof(x) for x in call.user[1][:-1]) + tuple(grad_types))
+                 + tuple(numba.typeof(x) for x in call.user.score_args[:-1])
+                 + tuple(grad_types))
     _check_compiles("score_mod_grad", score_mod_grad, jitted, arg_types, None)
     return grad_fns, float_args
 
@@ -556,11 +558,12 @@ def _score_arg_gradients(call, grads, seqs, delta, grad_fns, float_args):
     parts = tuple(np.zeros((n_slots,) + x.shape, dtype=call.compute_dtype) for x in float_args)
     if len(items):
         kernel = score_arg_grads.specialize(
-            (call.q.dtype, call.compute_dtype, numba.typeof(call.user), numba.typeof(grad_fns),
+            (call.q.dtype, call.compute_dtype, _validate.user_types(call.user),
+             numba.typeof(grad_fns),
              numba.typeof(parts)))
         kernel(call.q, call.k, call.v, _validate.kernel_view(grads.dout), grads.lse, delta,
                seqs, items, slot_ptr, tiles.block_q, tiles.block_k, call.half_kind,
-               call.modifiers(), grad_fns, parts)
+               *call.kernel_pipeline(), grad_fns, parts)
     return tuple(part.sum(axis=0) for part in parts)
 
 
@@ -568,7 +571,7 @@ def _check_differentiable(score_mod, call):
     """A TypeError naming `score_mod` when it cannot run on dual numbers."""
     _, jitted = _user_function("score_mod", score_mod)
     error = _user.dual_error(jitted, numba.from_dtype(call.compute_dtype),
-                             [numba.typeof(x) for x in call.user[1][:-1]])
+                             [numba.typeof(x) for x in call.user.score_args[:-1]])
     if error is not None:
         reason = "; ".join(line.strip() for line in str(error).strip().splitlines()[:4]
                            if line.strip())

@@ -90,7 +90,8 @@ def test_compile_times_are_quoted_from_one_figure():
     from cpuflash import _jit
 
     seconds = re.compile(r"\d+(?:\.\d+)?-\d+(?:\.\d+)? s\b")  # a range: what to expect
-    for path in (README, REPO_DIR / "docs" / "flex.md", REPO_DIR / "examples" / "flex_attention.py"):
+    for path in (README, REPO_DIR / "docs" / "flex.md",
+                 REPO_DIR / "examples" / "flex_attention.py"):
         text = path.read_text(encoding="utf-8")
         quoted = [line for line in text.splitlines() if "compile" in line.lower()
                   and seconds.search(line) and "warmup" not in line]

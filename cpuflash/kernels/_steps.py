@@ -22,7 +22,6 @@ AVX-512 (`WIDE`: 24 accumulators), whose accumulators stay in registers for a wh
 
 import math
 
-import numba
 import numpy as np
 from numba import types
 from numba.extending import overload
@@ -32,7 +31,7 @@ from .. import _amx, _simd, tiling
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vexp2_half, vfill_outside, vfma, vhmax, vhsum, \
     viota, vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
-from . import _band, _user
+from . import _band, _pipeline, _user
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
 
@@ -877,27 +876,6 @@ def block_band(diag0, rows, kb, cols, left, right):
     return inside, lo_off, hi_off
 
 
-def modifiers_type(compute, user):
-    """The Numba type of a kernel's `mods`, the one argument that carries the score pipeline
-    of a call (`_validate.AttentionCall.modifiers` builds it):
-
-        (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user)
-
-    softcap 0 = off; the window's `left`, `right` (-1: unbounded); ``alibi (batch, Hq)``
-    slopes, ``(batch, 0)`` without; ``bias`` and ``mask`` (Bx, Hq, Nq, Nk), broadcast, size 0
-    without, row ``bias_map[seq]`` (``mask_map[seq]``) for sequence ``seq``; ``sinks (Hq,)``,
-    size 0 without; `user` the call's own functions (`_user.tile_state` says what it holds),
-    whose Numba type is given here (it names the functions, so each gets its kernel).
-    """
-    calc = numba.from_dtype(compute)
-    index1 = types.Array(types.int64, 1, "A", readonly=True)
-    return types.Tuple([
-        types.float64, types.float64, types.int64, types.int64,
-        types.Array(calc, 2, "A", readonly=True), types.Array(calc, 4, "A", readonly=True),
-        index1, types.Array(types.bool_, 4, "A", readonly=True), index1,
-        types.Array(calc, 1, "A", readonly=True), user])
-
-
 @jit
 def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre):
     """The score pipeline of one tile: ``scores = S`` of the queries of `q_tile` against the
@@ -905,8 +883,8 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
 
     ``at = (seq, h, q0, kb, diag0, b, state)`` places the tile (`b`: the batch entry the
     user's functions see; `state`: `_user.tile_state`'s), ``band = (inside, lo_off, hi_off,
-    left, right)`` is `block_band`'s and the window's, and `mods` the call's modifiers
-    (`modifiers_type`).
+    left, right)`` is `block_band`'s and the window's, and `mods` the call's score pipeline
+    (`_pipeline.Pipeline`).
 
     `chain` receives the derivative of the final score by ``scale * q . k`` where it is not 1
     (with a softcap or a user's score_mod), so a gradient step needs no knowledge of the
@@ -915,7 +893,8 @@ def score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
     takes (for the gradients of its arguments).
     """
     # -- S = scale * Q K^T (divided by the softcap, which tanh takes first)
-    any_qk_tile(q_tile, k_panels, scores, rows, cols, product_scale(mods), band[1], band[2])
+    any_qk_tile(q_tile, k_panels, scores, rows, cols, _pipeline.product_scale(mods), band[1],
+                band[2])
     modify_tile(scores, chain, rows, cols, at, band, mods, pre)
 
 
@@ -930,20 +909,12 @@ def band_scores(q_tile, k_panels, scores, rows, cols, mult, offset, band):
 
 
 @jit
-def product_scale(mods):
-    """What ``Q K^T`` is multiplied by before the modifiers: the scale, divided by the softcap
-    where there is one (`modify_tile` takes it from there)."""
-    qk_scale, softcap = mods[0], mods[1]
-    return qk_scale / softcap if softcap > 0 else qk_scale
-
-
-@jit
 def modifies(mods):
     """Whether `modify_tile` changes a tile that lies inside its band: a softcap, ALiBi, a
     bias, a mask or a user's function."""
-    fns = mods[10][0]
-    return (mods[1] > 0 or mods[4].shape[1] > 0 or mods[5].shape[0] > 0
-            or mods[7].shape[0] > 0 or _user.has_score_mod(fns) or _user.has_mask_mod(fns))
+    fns = mods.functions
+    return (mods.softcap > 0 or mods.alibi.shape[1] > 0 or mods.bias.shape[0] > 0
+            or mods.mask.shape[0] > 0 or _user.has_score_mod(fns) or _user.has_mask_mod(fns))
 
 
 @jit
@@ -954,9 +925,9 @@ def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
     through here."""
     seq, h, q0, kb, diag0, b, state = at
     inside, lo_off, hi_off, left, right = band
-    _, softcap, _, _, alibi, bias, bias_map, mask, mask_map, _, user = mods
-    fns, score_args, mask_args, _, _, _, _ = user
-    uq0 = _user.query_index(user, q0, diag0)
+    softcap, alibi, bias, mask, fns = mods.softcap, mods.alibi, mods.bias, mods.mask, \
+        mods.functions
+    uq0 = _user.query_index(mods, q0, diag0)
     # -- modifiers, in the order of the score pipeline
     if softcap > 0:
         softcap_tile(scores, rows, cols, softcap, lo_off, hi_off)
@@ -967,19 +938,19 @@ def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
     if alibi.shape[1] > 0:
         alibi_tile(scores, rows, cols, alibi[seq, h], diag0 - kb, lo_off, hi_off)
     if bias.shape[0] > 0:
-        add_tile(scores, bias, bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
+        add_tile(scores, bias, mods.bias_map[seq], h, q0, kb, rows, cols, 1.0, lo_off, hi_off)
     if pre.shape[0] > 0:
         copy_rows(scores, pre, rows)
     _user.score_mod_tile(fns, scores, chain, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
-                         score_args)
+                         mods.score_args)
     # -- visibility
     if not inside:
         band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off, hi_off)
     if mask.shape[0] > 0:
-        bool_mask_tile(scores, mask, mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
+        bool_mask_tile(scores, mask, mods.mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
     if state == _user.PARTIAL:
         _user.mask_mod_tile(fns, scores, rows, cols, (lo_off, hi_off), (b, h, uq0, kb),
-                            mask_args)
+                            mods.mask_args)
 
 
 @jit
@@ -1008,7 +979,7 @@ def copy_rows(src, dst, rows):
 def masks_keys(mods, state):
     """Whether keys of a tile may be hidden inside its band: a bool mask, or a `mask_mod`
     that the block mask does not say is met by the whole tile."""
-    return mods[7].shape[0] > 0 or state == _user.PARTIAL
+    return mods.mask.shape[0] > 0 or state == _user.PARTIAL
 
 
 @jit
@@ -1017,13 +988,14 @@ def key_visible(mods, at, r, c):
     (``at`` as `score_tile` takes it; the band is checked by the caller)."""
     if mods is None:  # a call with no modifier but its band (`kernels.forward.PLAIN`)
         return True
-    mask, mask_map, user = mods[7], mods[8], mods[10]
+    mask = mods.mask
     seq, h, q0, kb, diag0, b, state = at
-    if mask.shape[0] > 0 and not mask[mask_map[seq], h, q0 + r, kb + c]:
+    if mask.shape[0] > 0 and not mask[mods.mask_map[seq], h, q0 + r, kb + c]:
         return False
     if state == _user.PARTIAL:
-        return _user.mask_mod_sees(user[0], b, h, _user.query_index(user, q0, diag0) + r,
-                                   kb + c, user[2])
+        return _user.mask_mod_sees(mods.functions, b, h,
+                                   _user.query_index(mods, q0, diag0) + r, kb + c,
+                                   mods.mask_args)
     return True
 
 

@@ -80,11 +80,11 @@ def with_end(args):
 
 
 @jit
-def query_index(user, q0, diag0):
+def query_index(mods, q0, diag0):
     """The `q_idx` the user's functions see for a tile's first row: its row in the call (`q0`),
-    or with ``positions`` (a KV cache's queries) its position in the sequence (`diag0`, the key
-    under its diagonal: bottom-right aligned)."""
-    return diag0 if user[6] else q0
+    or with the pipeline's ``positions`` (a KV cache's queries) its position in the sequence
+    (`diag0`, the key under its diagonal: bottom-right aligned)."""
+    return diag0 if mods.positions else q0
 
 
 
@@ -325,14 +325,14 @@ def _mask_mod_sees(fns, b, h, q_idx, kv_idx, args):
 
 
 @jit
-def tile_state(user, b, h, q0, rows, kb, cols):
-    """EMPTY, PARTIAL or FULL: what the block mask of ``user = (fns, score_args, mask_args,
-    states, block_q, block_k, positions)`` says of the tile of rows q0 .. q0 + rows - 1 and keys
+def tile_state(mods, b, h, q0, rows, kb, cols):
+    """EMPTY, PARTIAL or FULL: what the block mask of the pipeline `mods` (its `block_states`
+    of blocks of `block_q` x `block_k`) says of the tile of rows q0 .. q0 + rows - 1 and keys
     kb .. kb + cols - 1 (the kernel's tiles need not be the block mask's: a tile is EMPTY when every
     block it meets is, FULL when every one is). Without a block mask: PARTIAL with a `mask_mod`
     (it is called for every pair), FULL without."""
-    fns, _, _, states, block_q, block_k, _ = user
-    if not has_mask_mod(fns):
+    states, block_q, block_k = mods.block_states, mods.block_q, mods.block_k
+    if not has_mask_mod(mods.functions):
         return FULL
     if states.shape[0] == 0:
         return PARTIAL

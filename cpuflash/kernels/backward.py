@@ -54,7 +54,7 @@ from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
 from .._simd import vfma, vhsum, vload, vzeros
-from . import _pairs, _steps, _user
+from . import _pairs, _pipeline, _steps, _user
 
 # True in `fa2_backward_plain`'s copies of the passes (`_jit.variant`), for calls with no
 # modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -62,14 +62,13 @@ PLAIN = False
 
 
 def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_items, q_chunks,
-                  k_items, k_chunks, fused, block_q, block_k, half_kind, modifiers):
+                  k_items, k_chunks, fused, block_q, block_k, half_kind, flat, score_args,
+                  mask_args):
     d_v = v.shape[3]
-    # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
-    # together again in the loops, as `mods`. The passes' bodies are functions of their own:
-    # Numba types a parallel loop's body twice, and runs its passes over it, where it is
-    # written)
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    # (a parallel loop takes tuples one level deep: the pipeline comes in apart
+    # (`_pipeline.kernel_args`) and is put together in the loops, as `mods`. The passes'
+    # bodies are functions of their own: Numba types a parallel loop's body twice, and runs
+    # its passes over it, where it is written)
 
     # ---- delta = rowsum(dO * O) of every query row, which both passes read
     for chunk in prange(q_chunks.shape[0] - 1):
@@ -83,18 +82,14 @@ def _fa2_backward(q, k, v, out, dout, lse, delta, dq, dk, dv, dq_acc, seqs, q_it
     # `fused`, an item is every key block of a (sequence, kv head) in turn, and dQ of the
     # group's rows is summed here too, in `dq_acc` (the query pass then has nothing to do)
     for chunk in prange(k_chunks.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
-        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
-                user)
+        mods = _pipeline.together(flat, score_args, mask_args)
         _key_pass(k_chunks[chunk], k_chunks[chunk + 1], q, k, v, dout, lse, delta, dq, dk, dv,
                   dq_acc, seqs, k_items, fused, block_q, block_k, half_kind, mods)
 
     # ---- the query pass: dQ of one query tile, summed over the key blocks it sees (in the
     # key pass's order: the sums, and so the bits, are those of the fused key pass)
     for chunk in prange(0 if fused else q_chunks.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
-        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
-                user)
+        mods = _pipeline.together(flat, score_args, mask_args)
         _query_pass(q_chunks[chunk], q_chunks[chunk + 1], q, k, v, dout, lse, delta, dq, dk, dv,
                     dq_acc, seqs, q_items, fused, block_q, block_k, half_kind, mods)
 
@@ -104,9 +99,8 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
               items, fused, block_q, block_k, half_kind, mods):
     """The key pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_chain = softcap > 0 or _user.has_score_mod(fns)
+    qk_scale, left, right = mods.scale, mods.left, mods.right
+    has_chain = mods.softcap > 0 or _user.has_score_mod(mods.functions)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
@@ -164,7 +158,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                 for q0 in range(q_lo, q_hi, block_q):
                     rows = min(block_q, n_q - q0)
                     state = (_user.FULL if PLAIN
-                             else _user.tile_state(user, batch_q, h, q0, rows, k0, cols))
+                             else _user.tile_state(mods, batch_q, h, q0, rows, k0, cols))
                     if state == _user.EMPTY:
                         continue
                     diag0 = q0 + shift
@@ -239,9 +233,8 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
                 items, fused, block_q, block_k, half_kind, mods):
     """The query pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
-    has_chain = softcap > 0 or _user.has_score_mod(fns)
+    qk_scale, left, right = mods.scale, mods.left, mods.right
+    has_chain = mods.softcap > 0 or _user.has_score_mod(mods.functions)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
@@ -275,7 +268,7 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
             state = (_user.FULL if PLAIN
-                     else _user.tile_state(user, batch_q, h, q0, rows, kb, cols))
+                     else _user.tile_state(mods, batch_q, h, q0, rows, kb, cols))
             if state == _user.EMPTY:
                 continue
             inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
@@ -313,7 +306,7 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
 
 
 def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, block_k,
-                     half_kind, modifiers, grad_fns, grads):
+                     half_kind, flat, score_args, mask_args, grad_fns, grads):
     """The gradients of the float arrays among a score_mod's arguments, by the user's
     ``score_mod_grad`` (`_user.score_grad_tile`), after the backward has found `delta`.
 
@@ -328,12 +321,9 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
     # (taken apart and put together again in the loop, as in `_fa2_backward`)
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
     for slot in prange(slot_ptr.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
-        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
-                user)
+        mods = _pipeline.together(flat, score_args, mask_args)
+        left, right = mods.left, mods.right
         q_tile, do_tile, k_panels, v_panels, scores, dp, pre = _score_buffers(
             block_q, block_k, d, d_v, lse)
         no_chain = scores[:0]
@@ -351,7 +341,7 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
                              do_tile, lse_rows, delta_rows, half_kind)
             for kb in range(k_lo, k_hi, block_k):
                 cols = min(block_k, k_hi - kb)
-                state = _user.tile_state(user, batch_q, h, q0, rows, kb, cols)
+                state = _user.tile_state(mods, batch_q, h, q0, rows, kb, cols)
                 if state == _user.EMPTY:
                     continue
                 inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
@@ -364,8 +354,8 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
                 _steps.probs_and_grads(scores, dp, no_chain, lse_rows, delta_rows, rows, cols,
                                        lo_off, hi_off, False)
                 _user.score_grad_tile(grad_fns, dp, pre, rows, cols, (lo_off, hi_off),
-                                      (batch_q, h, _user.query_index(user, q0, diag0), kb),
-                                      score_args, slot_grads)
+                                      (batch_q, h, _user.query_index(mods, q0, diag0), kb),
+                                      mods.score_args, slot_grads)
 
 
 @jit
@@ -414,7 +404,7 @@ def _scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows,
 def _band_scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows, cols, at,
                         band, mods, pre):
     """`_scores_and_dp` of a call with no modifier but its band (`fa2_backward_plain`)."""
-    _steps.band_scores(q_tile, k_panels, scores, rows, cols, mods[0], at[4] - at[3], band)
+    _steps.band_scores(q_tile, k_panels, scores, rows, cols, mods.scale, at[4] - at[3], band)
     _steps.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
 
 
@@ -478,7 +468,7 @@ def _load_query_tile(q, dout, lse, delta, b, h, start, rows, q_tile, do_tile, ls
 
 
 def _signature(key):
-    dtype, compute, user = key
+    dtype, compute, user_types = key
     data = array(dtype, 4, readonly=True)
     grad = array(dtype, 4)
     per_row = array(compute, 3, readonly=True)
@@ -490,7 +480,7 @@ def _signature(key):
     return types.void(
         data, data, data, data, data, per_row, delta, grad, grad, grad, rows2,
         index2, index2, index1, index2, index1, types.boolean, i8, i8, i8,
-        _steps.modifiers_type(compute, user))
+        *_pipeline.kernel_types(compute, *user_types))
 
 
 fa2_backward = Kernel(_fa2_backward, _signature, "attention backward")
@@ -503,14 +493,14 @@ fa2_backward_plain = Kernel(
 
 
 def _grads_signature(key):
-    dtype, compute, user, grad_fns, grads = key
+    dtype, compute, user_types, grad_fns, grads = key
     data = array(dtype, 4, readonly=True)
     per_row = array(compute, 3, readonly=True)
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
     i8 = types.int64
     return types.void(data, data, data, data, per_row, per_row, index2, index2, index1, i8, i8,
-                      i8, _steps.modifiers_type(compute, user), grad_fns, grads)
+                      i8, *_pipeline.kernel_types(compute, *user_types), grad_fns, grads)
 
 
 score_arg_grads = Kernel(_score_arg_grads, _grads_signature, "score_mod gradients")

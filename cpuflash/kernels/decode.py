@@ -42,7 +42,7 @@ from numba.np.numpy_support import as_dtype
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
-from . import _steps, _user
+from . import _pipeline, _steps, _user
 from ._convert import load_widened, row_offset, unit, vector_rows, widen
 
 
@@ -91,14 +91,12 @@ def _line_elements(arr):
 
 
 def _decode(q, k_cache, v_cache, k_scale, v_scale, block_table, page_size, n_keys, split_len,
-            block_k, half_kind, modifiers, part_out, part_lse, n_threads):
+            block_k, half_kind, flat, score_args, mask_args, part_out, part_lse, n_threads):
     # (`n_threads` is numba's thread count at the call: read in here, it would keep the kernel
-    # out of the on-disk cache; `k_scale`, `v_scale`: see `_decode_items`; `modifiers`: the
-    # score pipeline, `_steps.modifiers_type`, taken apart before the parallel loop and put
-    # together in it, which takes tuples one level deep)
+    # out of the on-disk cache; `k_scale`, `v_scale`: see `_decode_items`; `flat`,
+    # `score_args`, `mask_args`: the score pipeline, apart (`_pipeline.kernel_args`), put
+    # together in the parallel loop, which takes tuples one level deep)
     scales = (k_scale, v_scale)
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
     n_items = q.shape[0] * k_cache.shape[1] * part_out.shape[0]
     n_chunks = min(n_items, n_threads)
     rows = q.shape[1] // k_cache.shape[1] * q.shape[2]
@@ -106,12 +104,11 @@ def _decode(q, k_cache, v_cache, k_scale, v_scale, block_table, page_size, n_key
     if n_chunks <= 1 or _work(q, v_cache, n_keys) * (n_items - largest) <= SERIAL_WORK * n_items:
         buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3], part_lse)
         _decode_items(0, n_items, buffers, q, k_cache, v_cache, scales, block_table, page_size,
-                      n_keys, split_len, block_k, half_kind, modifiers, part_out, part_lse)
+                      n_keys, split_len, block_k, half_kind,
+                      _pipeline.together(flat, score_args, mask_args), part_out, part_lse)
     else:
         for chunk in prange(n_chunks):
-            user = (fns, score_args, mask_args, states, state_q, state_k, positions)
-            mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
-                    user)
+            mods = _pipeline.together(flat, score_args, mask_args)
             buffers = _item_buffers(k_cache, v_cache, rows, block_k, page_size, q.shape[3],
                                     part_lse)
             _decode_items(chunk * n_items // n_chunks, (chunk + 1) * n_items // n_chunks,
@@ -159,17 +156,17 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     products (the scores), a value row's its probabilities before ``P V``: one multiply per
     (row, key) instead of one per element, and no dequantized copy anywhere.
 
-    `mods` is the call's score pipeline (`_steps.modifiers_type`), applied by
+    `mods` is the call's score pipeline (`_pipeline.Pipeline`), applied by
     `_steps.modify_tile` to each query head's rows of a block, as the forward applies it."""
     batch, n_heads, n_q, d = q.shape
     n_kv, dv = k_cache.shape[1], v_cache.shape[3]
     group = n_heads // n_kv
     rows = group * n_q  # row r is query row r % n_q of head hk * group + r // n_q
     n_splits = part_out.shape[0]
-    left, right, user = mods[2], mods[3], mods[10]
-    s_mult = _steps.product_scale(mods)
+    left, right = mods.left, mods.right
+    s_mult = _pipeline.product_scale(mods)
     modified = _steps.modifies(mods)  # else only the window's edges change a block
-    masked = mods[7].shape[0] > 0 or _user.has_mask_mod(user[0])  # some key may be hidden
+    masked = mods.mask.shape[0] > 0 or _user.has_mask_mod(mods.functions)  # keys may be hidden
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the window
 
     q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
@@ -236,7 +233,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
             band = (inside, -_steps.UNBOUNDED, _steps.UNBOUNDED, left, right)
             # (no KV-cache call has a block mask: the state is every head's)
-            state = _user.PARTIAL if _user.has_mask_mod(user[0]) else _user.FULL
+            state = _user.PARTIAL if _user.has_mask_mod(mods.functions) else _user.FULL
             for g in range(group if modified or not inside else 0):
                 at = (b, hk * group + g, 0, kb, shift, b, state)
                 if PLAIN:  # (what `_modify_rows` does for such a call)
@@ -835,16 +832,17 @@ def _join4(acc, r, x, alpha, a0, a1, a2, a3):
 
 
 def _signature(key):
-    """(cache dtype, compute dtype, query dtype, user functions' type): the same dtype thrice
-    for a float cache; an 8-bit cache (int8, or uint8 float8 bits) with float32 queries."""
-    cache, compute, query, user = key
+    """(cache dtype, compute dtype, query dtype, the Numba types of the user's functions and
+    their argument tuples): the same dtype thrice for a float cache; an 8-bit cache (int8, or
+    uint8 float8 bits) with float32 queries."""
+    cache, compute, query, user_types = key
     data = array(cache, 4, readonly=True)
     scale = array(np.float32, 3, readonly=True)
     i8 = types.int64
     return types.void(
         array(query, 4, readonly=True), data, data, scale, scale,
         array(np.int64, 2, readonly=True), i8, array(np.int64, 1, readonly=True), i8, i8, i8,
-        _steps.modifiers_type(compute, user), array(compute, 5), array(compute, 4), i8)
+        *_pipeline.kernel_types(compute, *user_types), array(compute, 5), array(compute, 4), i8)
 
 
 decode = Kernel(_decode, _signature, "KV-cache decoding")

@@ -22,7 +22,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
-from . import _pairs, _steps, _user
+from . import _pairs, _pipeline, _steps, _user
 
 # True in `fa2_forward_plain`'s copies of the functions below (`_jit.variant`), for calls with
 # no modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -30,17 +30,14 @@ PLAIN = False
 
 
 def _fa2_forward(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
-                 half_kind, modifiers):
-    # (a parallel loop takes tuples one level deep: `modifiers` is taken apart here and put
-    # together again in the loop, as `mods`. The loop's body is a function of its own: Numba
-    # types a parallel loop's body twice, and runs its passes over it, where it is written)
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = modifiers
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
+                 half_kind, flat, score_args, mask_args):
+    # (a parallel loop takes tuples one level deep: the pipeline comes in apart
+    # (`_pipeline.kernel_args`) and is put together in the loop, as `mods`. The loop's body is
+    # a function of its own: Numba types a parallel loop's body twice, and runs its passes
+    # over it, where it is written)
 
     for chunk in prange(chunk_ptr.shape[0] - 1):
-        user = (fns, score_args, mask_args, states, state_q, state_k, positions)
-        mods = (qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks,
-                user)
+        mods = _pipeline.together(flat, score_args, mask_args)
         _forward_items(chunk_ptr[chunk], chunk_ptr[chunk + 1], q, k, v, out, lse, seqs, items,
                        block_q, block_k, key_align, half_kind, mods)
 
@@ -53,8 +50,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     dv = v.shape[3]
     group = q.shape[1] // k.shape[1]
     cdtype = lse.dtype
-    qk_scale, softcap, left, right, alibi, bias, bias_map, mask, mask_map, sinks, user = mods
-    fns, score_args, mask_args, states, state_q, state_k, positions = user
+    qk_scale, left, right, sinks = mods.scale, mods.left, mods.right, mods.sinks
     has_sinks = sinks.shape[0] > 0
     no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
     # -- thread-local tile state, allocated once per chunk of work items
@@ -73,7 +69,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     # the part of the scale that Q takes as it is packed (`_pairs.folded_scale`)
     q_scale = _pairs.folded_scale(qk_scale) if PLAIN and pairs else 1.0
     # a partial tile's `mask_mod` answers (`_user.mask_mod_fill`)
-    seen = np.empty((block_q, block_k) if _user.has_mask_mod(fns) else (0, 0), np.bool_)
+    seen = np.empty((block_q, block_k) if _user.has_mask_mod(mods.functions) else (0, 0),
+                    np.bool_)
 
     for item in range(first_item, end_item):
         (seq, h, q0, batch_q, q_start, n_q,
@@ -102,7 +99,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
             # -- a block mask's empty tiles are never visited
-            state = _user.FULL if PLAIN else _user.tile_state(user, batch_q, h, q0, rows, kb,
+            state = _user.FULL if PLAIN else _user.tile_state(mods, batch_q, h, q0, rows, kb,
                                                               cols)
             if state == _user.EMPTY:
                 continue
@@ -117,8 +114,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             tile_rows, c_lo, c_hi = rows, 0, cols
             if not PLAIN and state == _user.PARTIAL and not pairs:
                 tile_rows, c_lo, c_hi = _user.mask_mod_fill(
-                    fns, seen, rows, cols, (lo_off, hi_off),
-                    (batch_q, h, _user.query_index(user, q0, diag0), kb), mask_args)
+                    mods.functions, seen, rows, cols, (lo_off, hi_off),
+                    (batch_q, h, _user.query_index(mods, q0, diag0), kb), mods.mask_args)
                 if tile_rows == 0:
                     continue
 
@@ -160,7 +157,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                   mods, no_chain)
             elif state == _user.PARTIAL:  # (the mask_mod's answers are in `seen`)
                 _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
-                                  _steps.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
+                                  _pipeline.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
                 _steps.modify_tile(scores, no_chain, tile_rows, cols,
                                    (seq, h, q0, kb, diag0, batch_q, _user.FULL), band, mods,
                                    no_chain)
@@ -197,13 +194,13 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
 
 
 def _signature(key):
-    dtype, compute, user = key
+    dtype, compute, user_types = key
     data = array(dtype, 4, readonly=True)
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
     i8 = types.int64
     return types.void(data, data, data, array(dtype, 4), array(compute, 3), index2, index2,
-                      index1, i8, i8, i8, i8, _steps.modifiers_type(compute, user))
+                      index1, i8, i8, i8, i8, *_pipeline.kernel_types(compute, *user_types))
 
 
 fa2_forward = Kernel(_fa2_forward, _signature, "attention")
