@@ -396,7 +396,8 @@ class Kernel:
                 if call is None:
                     dispatcher = self._compile(key)
                     self._dispatchers[key] = dispatcher
-                    call = dispatcher if CHECK_ARGUMENTS else _entry_point(dispatcher)
+                    call = (_type_checked(dispatcher) if CHECK_ARGUMENTS
+                            else _entry_point(dispatcher))
                     if _threads.SERIALIZED and self._parallel:
                         call = _serialized(call)
                     self._calls[key] = call
@@ -445,6 +446,32 @@ def _entry_point(dispatcher):
     """
     [compiled] = dispatcher.overloads.values()
     return compiled.entry_point
+
+
+def _type_checked(dispatcher):
+    """The entry point of `dispatcher` (compiled for one signature), called only after each
+    argument's whole type is found to convert to the signature's: what calling the dispatcher
+    checks, for named tuples too (Numba converts only anonymous ones)."""
+    [signature] = dispatcher.signatures
+    typing = dispatcher.typingctx
+    entry = _entry_point(dispatcher)
+
+    def fits(got, want):
+        if isinstance(want, types.BaseNamedTuple):
+            return (isinstance(got, types.BaseNamedTuple)
+                    and got.instance_class is want.instance_class and len(got) == len(want)
+                    and all(map(fits, got, want)))
+        return got == want or typing.can_convert(got, want) is not None
+
+    def call(*args):
+        for i, (arg, want) in enumerate(zip(args, signature, strict=True)):
+            got = numba.typeof(arg)
+            if not fits(got, want):
+                raise TypeError(f"argument {i} of {dispatcher.py_func.__name__}: {got} where "
+                                f"the signature has {want}")
+        return entry(*args)
+    call.checks_types = True
+    return call
 
 
 def _notice_on_compile(dispatcher, done, name, key):

@@ -18,8 +18,8 @@ def slots(call, b, positions):
 
 def write_new_keys(call):
     """Write the new keys and values into the caches, in place, after positions `seqlens`
-    (quantized first, for a quantized cache); then set `call.k`, `call.v` to the caches as the
-    kernels read them.
+    (quantized first, for a quantized cache); returns (k, v): the caches as the kernels read
+    them.
 
     Called once `_validate.kvcache_args` has checked every argument, so an error leaves the
     caches unchanged.
@@ -28,7 +28,7 @@ def write_new_keys(call):
         _write(call)
     # only now: the kernel's view of an unaligned cache is a copy, which must hold the new keys
     view = kernel_view if call.quantized is None else bits_view
-    call.k, call.v = view(call.k_cache), view(call.v_cache)
+    return view(call.k_cache), view(call.v_cache)
 
 
 def _write(call):

@@ -312,13 +312,15 @@ def user_types(user):
 _NO_USER_TYPES = user_types(NO_USER_FUNCTIONS)
 
 
-@dataclasses.dataclass(slots=True, kw_only=True, eq=False)
+@dataclasses.dataclass(slots=True, kw_only=True, eq=False, frozen=True)
 class AttentionCall:
     """One validated call: its arrays as the kernels read them, and how to hand back the result.
 
-    `attention_args`, `varlen_args` and `kvcache_args` build it; `__post_init__` derives the
-    fields marked "derived". The kernels read 4-D ``(batch, heads, rows, dim)`` arrays of any
-    strides, float16 and bfloat16 as their uint16 bits.
+    `attention_args`, `varlen_args` and `kvcache_args` build it, `_user_functions` a copy with
+    the user's functions; `__post_init__` derives the fields marked "derived". Frozen: what
+    runs a call (`_run`, `_run_backward`) reads it and never changes it. The kernels read 4-D
+    ``(batch, heads, rows, dim)`` arrays of any strides, float16 and bfloat16 as their uint16
+    bits.
     """
 
     # -- inputs, as the kernels read them
@@ -380,21 +382,24 @@ class AttentionCall:
     num_splits: int = 0  # 0 = automatic
 
     def __post_init__(self):
-        self.compute_dtype = compute_dtype(self.dtype)
-        self.half_kind = half_kind(self.dtype)
-        self.lse = np.empty(self.q.shape[:3], dtype=self.compute_dtype)
-        self.out_kernel = kernel_view(self.out_bhsd)
+        derive = functools.partial(object.__setattr__, self)  # (a frozen instance's fields)
+        cdtype = compute_dtype(self.dtype)
+        derive("compute_dtype", cdtype)
+        derive("half_kind", half_kind(self.dtype) if self.quantized is None
+               else QUANT_KINDS[self.quantized])
+        derive("lse", np.empty(self.q.shape[:3], dtype=cdtype))
+        derive("out_kernel", kernel_view(self.out_bhsd))
         no_batch = np.zeros(self.batch, dtype=np.int64)
         if self.bias is None:  # size 0: the kernels skip it
-            self.bias = np.zeros((0, 0, 0, 0), dtype=self.compute_dtype)
-            self.bias_map = no_batch
+            derive("bias", np.zeros((0, 0, 0, 0), dtype=cdtype))
+            derive("bias_map", no_batch)
         if self.mask is None:
-            self.mask = np.zeros((0, 0, 0, 0), dtype=np.bool_)
-            self.mask_map = no_batch
+            derive("mask", np.zeros((0, 0, 0, 0), dtype=np.bool_))
+            derive("mask_map", no_batch)
         if self.sinks is None:
-            self.sinks = np.zeros(0, dtype=self.compute_dtype)
+            derive("sinks", np.zeros(0, dtype=cdtype))
         if self.user is None:
-            self.user = NO_USER_FUNCTIONS
+            derive("user", NO_USER_FUNCTIONS)
 
     def pipeline(self):
         """The score pipeline as the kernels take it (`kernels._pipeline.Pipeline`)."""
@@ -421,8 +426,10 @@ class AttentionCall:
         dtype, from an empty array; the empty operands of a call without modifiers, shared by
         every such call, are made read-only."""
         kept = copy.copy(self)
-        kept.q = np.empty((0, 0, 0, 0), dtype=self.q.dtype)
-        kept.k = kept.v = kept.out_user = kept.out_bhsd = kept.out_kernel = kept.lse = None
+        strip = functools.partial(object.__setattr__, kept)  # (a frozen copy's fields)
+        strip("q", np.empty((0, 0, 0, 0), dtype=self.q.dtype))
+        for name in ("k", "v", "out_user", "out_bhsd", "out_kernel", "lse"):
+            strip(name, None)
         for array in (self.alibi, self.bias, self.bias_map, self.mask, self.mask_map,
                       self.sinks):
             array.flags.writeable = False
@@ -641,7 +648,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
                  alibi_slopes, sinks, block_table, layout, num_splits, return_lse):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
     checked, then written by `_kvcache.write_new_keys` once every check has passed, which also
-    sets the call's `k` and `v` (the kernel's view of the caches)."""
+    returns the kernel's view of the caches."""
     q = as_array("q", q)
     quantized = quantized_pair(k_cache, v_cache)
     if quantized is None:
@@ -757,12 +764,10 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         return AttentionCall(q=kernel_view(q4), k=kc4, v=vc4, **fields)
     # the kernel reads the 8-bit rows in place, widening them itself, and float32 queries (a
     # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
-    call = AttentionCall(q=np.asarray(q4, dtype=np.float32), k=kc4, v=vc4, **fields)
-    call.half_kind = QUANT_KINDS[quantized]
-    call.quantized = quantized
-    call.k_scale, call.v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
-                                  for x in (k_scale, v_scale))
-    return call
+    k_scale, v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
+                        for x in (k_scale, v_scale))
+    return AttentionCall(q=np.asarray(q4, dtype=np.float32), k=kc4, v=vc4, quantized=quantized,
+                         k_scale=k_scale, v_scale=v_scale, **fields)
 
 
 def bits_view(data):

@@ -21,10 +21,10 @@ DEFAULT_CACHES = {"l1d": 32 * KiB, "l2": 256 * KiB, "l3": 8 * MiB}
 
 # Key blocks are multiples of it: of the micro-kernels' key panel (two vectors: 32 float32 keys
 # with AVX-512, 16 with AVX2), so no panel is left half full except at the end of a sequence
-# (asserted in `kernels._steps`).
+# (asserted in `kernels._layout`).
 KEY_PANEL = 32
-# Query blocks are multiples of it: of the micro-kernels' 6-row groups (`_steps.ROWS`, asserted
-# there) and of 8. The groups then start at the same rows of a sequence for every block_q
+# Query blocks are multiples of it: of the micro-kernels' 6-row groups (`kernels._layout.ROWS`,
+# asserted there) and of 8. The groups then start at the same rows of a sequence for every block_q
 # chosen here, so a row is summed the same way for every thread count.
 BLOCK_Q_MULTIPLE = 24
 # Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md

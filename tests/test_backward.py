@@ -346,9 +346,9 @@ def test_rows_that_see_no_key_get_zero_gradients(rng):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("n_q,n_k,hq", [(0, 5, 2), (5, 0, 2), (0, 0, 2), (5, 5, 0)])
 def test_empty(rng, monkeypatch, n_q, n_k, hq, fused):
-    from cpuflash import _backward
+    from cpuflash import _run_backward
 
-    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    monkeypatch.setattr(_run_backward, "_fuse", lambda *args: fused)
     q, k, v = random_qkv(rng, (2, hq, n_q, 8), (2, 1, n_k, 8), d_v=4)
     sinks = np.zeros(hq, np.float32)
     dout, grads = forward_and_backward(rng, q, k, v, sinks=sinks)
@@ -478,7 +478,7 @@ def test_both_schemes_give_the_same_bits(rng, monkeypatch, options):
     """The fused pass (one item per sequence and kv head, dQ summed there too) and the split
     passes (key blocks for dK/dV, query tiles for dQ) sum in the same order: the choice between
     them, which depends on the thread count, never changes a bit."""
-    from cpuflash import _backward
+    from cpuflash import _run_backward
 
     q, k, v = random_qkv(rng, (2, 4, 230, 40), (2, 2, 250, 40), d_v=24)
     options = dict(options)
@@ -489,7 +489,7 @@ def test_both_schemes_give_the_same_bits(rng, monkeypatch, options):
     dout = rng.standard_normal(out.shape).astype(np.float32)
     results = []
     for fused in (False, True):
-        monkeypatch.setattr(_backward, "_fuse", lambda *args, fused=fused: fused)
+        monkeypatch.setattr(_run_backward, "_fuse", lambda *args, fused=fused: fused)
         results.append(attention_backward(dout, q, k, v, out, lse, **options))
     assert_gradients_close(results[0], dout, q, k, v, **options)
     assert_same_bits(results[1], results[0])
@@ -575,9 +575,9 @@ def test_hidden_nonfinite_values_reach_no_gradient(rng, monkeypatch, rule, fused
     it (nor dK, dV reached only through those rows), and a query or output-gradient row
     nothing in dK, dV of the keys it cannot see: the forward's guarantee, kept by the
     backward. Rows and keys on and next to the edges of tiles, panels and row groups."""
-    from cpuflash import _backward
+    from cpuflash import _run_backward
 
-    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    monkeypatch.setattr(_run_backward, "_fuse", lambda *args: fused)
     n_q, n_k = 150, 200
     q, k, v = random_qkv(rng, (1, 2, n_q, 40), (1, 1, n_k, 40), d_v=24)
     dout = rng.standard_normal((1, 2, n_q, 24)).astype(np.float32)
@@ -605,9 +605,9 @@ def test_hidden_nonfinite_values_reach_no_gradient(rng, monkeypatch, rule, fused
 def test_hidden_nonfinite_values_stay_in_their_packed_sequence(rng, monkeypatch, fused):
     """Packed sequences: a non-finite row of one sequence changes no bit of its neighbours'
     gradients (nor of its own rows and keys that cannot see it)."""
-    from cpuflash import _backward
+    from cpuflash import _run_backward
 
-    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    monkeypatch.setattr(_run_backward, "_fuse", lambda *args: fused)
     lens_q, lens_k = [5, 0, 130, 77, 40], [7, 3, 100, 200, 40]
     q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k)
     dout = rng.standard_normal((cu_q[-1], 4, 24)).astype(np.float32)
@@ -635,9 +635,9 @@ def test_hidden_nonfinite_values_stay_in_their_packed_sequence(rng, monkeypatch,
 def test_varlen(rng, monkeypatch, fused):
     """Each packed sequence's gradients are those of the sequence alone (empty ones too), and
     the fused and split schemes give the same bits."""
-    from cpuflash import _backward
+    from cpuflash import _run_backward
 
-    monkeypatch.setattr(_backward, "_fuse", lambda *args: fused)
+    monkeypatch.setattr(_run_backward, "_fuse", lambda *args: fused)
     lens_q, lens_k = [5, 0, 130, 1, 77, 40], [7, 3, 100, 0, 200, 40]
     q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k)
     slopes = rng.uniform(0.01, 0.3, (len(lens_q), 4)).astype(np.float32)
@@ -653,7 +653,7 @@ def test_varlen(rng, monkeypatch, fused):
         assert_gradients_close(got, heads_first(dout[rows]), heads_first(q[rows]),
                                heads_first(k[keys]), heads_first(v[keys]),
                                alibi_slopes=slopes[b], **options)
-    monkeypatch.setattr(_backward, "_fuse", lambda *args: not fused)
+    monkeypatch.setattr(_run_backward, "_fuse", lambda *args: not fused)
     assert_same_bits(attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
                                                alibi_slopes=slopes, **options), (dq, dk, dv))
 

@@ -15,7 +15,7 @@ import pytest
 import cpuflash
 from accuracy import assert_close_to_reference, bf16_dot_reference
 from cpuflash import _simd
-from cpuflash.kernels import _pairs, _steps
+from cpuflash.kernels import _layout, _pairs
 from cpuflash._simd import (vbroadcast_pair, vdot_pairs, vload, vload_pairs, vload_rows_bits,
                             vstore, vstore_bits, vstore_interleaved, vstore_pairs, vtranspose)
 from helpers import (cache_case, check_kvcache, check_varlen, explain, packed, run_python,
@@ -173,7 +173,7 @@ def _alternate(b, h, q_idx, kv_idx, doc):
 
 @pytest.mark.parametrize("dtype", [BF16, np.float32])
 def test_key_blocks_kept_between_query_tiles(rng, dtype):
-    """A thread packs a head's key blocks once for its query tiles (`_steps.kept_block`):
+    """A thread packs a head's key blocks once for its query tiles (`_layout.kept_block`):
     blocks visited out of order (a block mask whose query tiles see blocks 0 and 2, then 1 and
     3) or in part (a window) give the bits of every block visited in order (a dense mask),
     within the rule; and where there are more blocks than a thread keeps, in turn."""
@@ -192,7 +192,7 @@ def test_key_blocks_kept_between_query_tiles(rng, dtype):
         out = cpuflash.attention(q, k, v, tiles=(32, 64), **options)
         assert_close_to_reference(out, q, k, v, plain=plain, **options)
     n_k = 20_000  # 313 blocks of 64 keys; a thread keeps 128-256 at D = 64
-    assert n_k // 64 > _steps.KEPT_BYTES // (2 * 64 * 64 * 2)
+    assert n_k // 64 > _layout.KEPT_BYTES // (2 * 64 * 64 * 2)
     q, k, v = (x.astype(dtype) for x in random_bf16(rng, (1, 2, 64, d), (1, 1, n_k, d),
                                                      (1, 1, n_k, d)))
     out = cpuflash.attention(q, k, v, tiles=(32, 64))
@@ -305,7 +305,7 @@ def test_kvcache_chunked_prefill(rng):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_backward_within_rule_and_schemes_agree(rng, monkeypatch, fused):
-    from cpuflash import _backward
+    from cpuflash import _run_backward
     from test_backward import assert_gradients_close
 
     q, k, v = random_bf16(rng, (2, 4, 113, 59), (2, 2, 203, 59), (2, 2, 203, 40))
@@ -314,7 +314,7 @@ def test_backward_within_rule_and_schemes_agree(rng, monkeypatch, fused):
     dout = rng.standard_normal(out.shape).astype(BF16)
     results = []
     for scheme in (fused, not fused):
-        monkeypatch.setattr(_backward, "_fuse", lambda *args, scheme=scheme: scheme)
+        monkeypatch.setattr(_run_backward, "_fuse", lambda *args, scheme=scheme: scheme)
         results.append(cpuflash.attention_backward(dout, q, k, v, out, lse, **options))
     # the plain implementation computes in bfloat16 itself (as for the widening path)
     assert_gradients_close(results[0], dout, q, k, v, plain_dtype=BF16, **options)

@@ -102,7 +102,7 @@ def varied_calls(rng):
 
 
 def forward_inputs(rng, dtype=np.float32, layout="bhsd"):
-    """Several query rows: the FA-2 forward (`api._Forward` plans)."""
+    """Several query rows: the FA-2 forward (`_run.Forward` plans)."""
     q, k, v = random_qkv(rng, (2, 6, 37, 64), (2, 3, 53, 64), d_v=48, dtype=dtype)
     if layout == "bshd":
         q, k, v = (np.ascontiguousarray(np.swapaxes(x, 1, 2)) for x in (q, k, v))
@@ -295,7 +295,7 @@ def test_a_plans_launch_follows_the_thread_count(rng):
                 continue
             (count, *_), launch = plan.launch
             assert count == threads
-            chunk_ptr = launch[2] if plan.__class__.__name__ == "_Forward" else launch[1][2]
+            chunk_ptr = launch[2] if plan.__class__.__name__ == "Forward" else launch[1][2]
             assert len(chunk_ptr) - 1 <= threads
 
 
@@ -498,7 +498,9 @@ def test_stored_plans_are_read_only_and_bounded(rng):
     q, k, v = decode_inputs(rng)
     cpuflash.attention_with_kvcache(q, k, v)
     (setup,) = _plans._entries.values()
-    for array in (setup.block_table, setup.full_keys) + setup.mods[4:10]:  # alibi .. sinks
+    flat = setup.pipeline[0]  # the pipeline's arrays (`_pipeline.kernel_args`)
+    for array in (setup.block_table, setup.full_keys, flat.alibi, flat.bias, flat.bias_map,
+                  flat.mask, flat.mask_map, flat.sinks):
         assert not array.flags.writeable
     for i in range(_plans.MAX_ENTRIES + 10):
         _plans.put(("test", i), None)

@@ -575,7 +575,7 @@ def test_decoding_runs_the_functions_in_the_split_kv_kernel_with_every_modifier(
     out = cpuflash.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3, score_mod=rel_bias,
         score_args=(table,), mask_mod=same_doc, mask_args=(doc,), **builtin)
-    assert any(key[3] is not _validate._NO_USER_TYPE for key in decode._calls)
+    assert any(key[3] is not _validate._NO_USER_TYPES for key in decode._calls)
     for e in range(b):
         n_k = seqlens[e]
         qi, ki = np.array([[n_k - 1]]), np.arange(n_k)[None, :]

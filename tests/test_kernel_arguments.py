@@ -1,7 +1,8 @@
 """The kernels are called through their compiled entry points, which check an argument's dtype
 but not an array's number of dimensions (`cpuflash._jit._entry_point`). This runs every route
-to a kernel once more through the dispatchers, which check every argument's whole type against
-the kernel's signature: a route that hands a kernel an array of the wrong shape fails here."""
+to a kernel once more with every argument's whole type checked against the kernel's signature
+first (`_jit._type_checked`): a route that hands a kernel an array of the wrong shape fails
+here."""
 
 import pytest
 
@@ -59,7 +60,7 @@ EVERY_ROUTE = """
                backward.fa2_backward_plain, backward.score_arg_grads, decode.decode,
                decode.decode_plain, fa1.fa1_forward, _combine._merge_kernel, quantize.int8_rows)
     print("not called", [kernel._pyfunc.__name__ for kernel in kernels if not kernel._calls])
-    print("checked", all(isinstance(c, numba.core.registry.CPUDispatcher)
+    print("checked", all(getattr(c, "checks_types", False)
                          for kernel in kernels for c in kernel._calls.values()))
 """
 

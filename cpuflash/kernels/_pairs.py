@@ -35,7 +35,7 @@ from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16,
     vmul, vsplat, vstore_pairs, vsub, vtranspose, vzeros
 from . import _tiles
 from ._convert import BFLOAT16, narrow, row_offset, vector_rows, widen
-from ._steps import DOT_CHUNK, ROUNDS_P, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
+from ._layout import DOT_CHUNK, ROUNDS_P, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
     kept_count, round_up
 
 PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
@@ -55,7 +55,7 @@ def pair_buffers(block_q, block_k, d, dv, n_keys, key_align, q, like, half_kind)
     """``(q_pairs, k_pairs, v_pairs, p_pairs)`` of one thread: uint16 and zeroed for bfloat16
     inputs where `FORWARD_PAIRS`; else empty, in `like`'s dtype (the kernel then widens),
     padded for AMX tiles (`DIMS`, `PAST`). ``k_pairs[s]`` and ``v_pairs[s]`` are the packed
-    keys and values of one block, as many as `_steps.kept_count` gives for `n_keys` keys."""
+    keys and values of one block, as many as `_layout.kept_count` gives for `n_keys` keys."""
 
 
 @overload(pair_buffers, jit_options=HELPER_OPTIONS)

@@ -25,31 +25,21 @@ import math
 import numpy as np
 from numba import types
 from numba.extending import overload
-from numba.np.numpy_support import as_dtype
 
-from .. import _amx, _simd, tiling
+from .. import _amx
 from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
 from .._simd import vabs, vadd, vbroadcast, vexp2, vexp2_half, vfill_outside, vfma, vhmax, vhsum, \
     viota, vload, vmax, vmul, vsplat, vstore, vsub, vtanh, vtranspose, vzeros
 from . import _band, _pipeline, _user
 from ._convert import contiguous_rows, like_dtype, load_block, load_widened, narrow, row_offset, \
     store_narrowed, vector_rows, widen
+from ._layout import DOT_CHUNK, ROUNDS_P, ROWS, UNBOUNDED, WIDE, _rescale_add, _sees, \
+    _store_or_add, lanes, rescale_add, round_up, row_span
+from ._pairs import qk_tile_pairs
+from ._tiles import qk_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 LN2 = 0.6931471805599453
-ROWS = 6  # query rows per micro-tile
-UNBOUNDED = 1 << 40  # a band edge that no tile reaches
-DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum
-# 32 vector registers (AVX-512): room for the 24 accumulators of the wide micro-kernels
-WIDE = _simd.LANES_F32 == 16
-
-# `tiling` sizes tiles on these facts, and the same bits for any thread count rest on them: a
-# query block is whole row groups, so a row falls in the same micro-tile group (and rounds the
-# same way) whatever block it is in; key blocks start on panel borders, so no panel of a
-# block straddles two blocks.
-assert tiling.BLOCK_Q_MULTIPLE % ROWS == 0, "query blocks must be whole micro-tile row groups"
-assert tiling.KEY_PANEL % (2 * _simd.LANES_F32) == 0, "key blocks must start on panel borders"
-
 # the keys a tile's rows see (shared with the scheduler, see `_band`)
 visible_keys = jit(_band.visible_keys)
 sees_all = jit(_band.sees_all)
@@ -64,79 +54,6 @@ def work_item(items, item, seqs):
     return (seq, items[item, _band.ITEM_HEAD], items[item, _band.ITEM_Q0],
             seqs[seq, _band.SEQ_BATCH_Q], seqs[seq, _band.SEQ_Q_START], seqs[seq, _band.SEQ_N_Q],
             seqs[seq, _band.SEQ_BATCH_K], seqs[seq, _band.SEQ_K_START], seqs[seq, _band.SEQ_N_K])
-
-
-def lanes(arr):
-    """Elements of `arr`'s dtype in one SIMD vector (a compile-time constant in kernels)."""
-    return _simd.lanes_for(arr.dtype)
-
-
-@overload(lanes, jit_options=STRICT_OPTIONS)
-def _lanes(arr):
-    n = _simd.lanes_for(as_dtype(arr.dtype))
-    return lambda arr: n
-
-
-@jit
-def round_up(x, multiple):
-    """The least multiple of `multiple` that is >= x (x >= 0)."""
-    return (x + multiple - 1) // multiple * multiple
-
-
-# the bytes of packed key and value blocks one thread keeps for its next query tiles
-KEPT_BYTES = 1 << 22
-
-
-@jit
-def tile_buffers(block_q, block_k, d, dv, like, n_keys=0, key_align=1):
-    """Zeroed q_tile (in row groups), k_panels and v_tile, scores and acc of one thread, in
-    `like`'s dtype. ``k_panels[s]`` and ``v_tile[s]`` are the packed keys and values of one
-    block, as many as `kept_count` gives for `n_keys` keys (one for 0)."""
-    dtype = like.dtype
-    width = 2 * lanes(like)
-    keys, dvp = round_up(block_k, width), round_up(dv, width)
-    kept = kept_count(n_keys, key_align, (keys * d + keys * dvp) * like.itemsize)
-    return (aligned_zeros(((block_q + ROWS - 1) // ROWS, d, ROWS), dtype),
-            aligned_zeros((kept, keys // width, d, width), dtype),
-            aligned_zeros((kept, keys, dvp), dtype), aligned_zeros((block_q, keys), dtype),
-            aligned_zeros((block_q, dvp), dtype))
-
-
-@jit
-def kept_count(n_keys, key_align, block_bytes):
-    """How many packed key blocks a thread keeps: one per block of `n_keys` keys from
-    multiples of `key_align`, up to `KEPT_BYTES` (at least one)."""
-    return max(1, min((n_keys + key_align - 1) // key_align, KEPT_BYTES // max(1, block_bytes)))
-
-
-@jit
-def kept_block(slots, head, row, first, end, key_align):
-    """(s, held): the kept block (`tile_buffers`) for keys from `row` of `head` (b * heads +
-    h), and whether it holds keys row + first .. row + end packed already; if not, `slots` marks
-    it as holding them, and the caller packs them. The query tiles of one head, which a thread
-    runs in turn, read the same key blocks: packing them once instead of once per tile saved
-    2-3% of the float32 forward and 3-13% of the bfloat16 one on AMX tiles (Xeon). One block
-    per block start (`key_align`) in turn; ``slots[s]`` is (head, row, first, end) of what
-    block s holds."""
-    s = (row // key_align) % slots.shape[0]
-    held = (slots[s, 0] == head and slots[s, 1] == row and slots[s, 2] <= first
-            and end <= slots[s, 3])
-    if not held:
-        slots[s, 0], slots[s, 1], slots[s, 2], slots[s, 3] = head, row, first, end
-    return s, held
-
-
-@jit
-def aligned_zeros(shape, dtype):
-    """np.zeros(shape, dtype) from a 64-byte boundary: a cache line, an AVX-512 vector, an AMX
-    tile row. Numba aligns arrays to 32 bytes, and half the time a row of 64 bytes then spans
-    two lines: AMX tile loads of such rows ran at a third of the speed (Intel Xeon)."""
-    n = 1
-    for s in shape:
-        n *= s
-    flat = np.zeros(n + 64, dtype)
-    skip = (-flat.ctypes.data % 64) // flat.itemsize
-    return flat[skip:skip + n].reshape(shape)
 
 
 @jit
@@ -274,8 +191,6 @@ def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
 @overload(any_qk_tile, jit_options=HELPER_OPTIONS)
 def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     if k_panels.dtype == types.uint16:
-        from ._pairs import qk_tile_pairs
-        from ._tiles import qk_tiles
         step = qk_tiles if _amx.TILES is not None else qk_tile_pairs
 
         def pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
@@ -285,12 +200,6 @@ def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     def floats(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
         qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
     return floats
-
-
-@jit
-def _sees(panel, w, r, n_rows, lo_off, hi_off):
-    """Whether some row of r .. r + n_rows sees a column of `panel` (see `qk_tile`)."""
-    return (panel + 1) * w - 1 >= r + lo_off and panel * w <= r + n_rows - 1 + hi_off
 
 
 @jit
@@ -388,32 +297,6 @@ def _qk_micro1(q_tile, r, k_panels, panel, scores, mult):
             a1 = vfma(s, vload(k_panels, kp + x * w + n), a1)
         _store_or_add(scores, r * scores.shape[1] + panel * w, a0, a1, x0 == 0,
                       x0 + DOT_CHUNK >= d, mult)
-
-
-@jit
-def _store_or_add(scores, o, s0, s1, first, last, mult):
-    """scores[o : o + 2 vectors] = (s0, s1), or += (s0, s1) after the first chunk; the sum of
-    the last chunk is multiplied by `mult` before it is stored."""
-    n = lanes(scores)
-    if not first:
-        s0 = vadd(s0, vload(scores, o))
-        s1 = vadd(s1, vload(scores, o + n))
-    if last:
-        scale = vsplat(mult, scores)
-        s0, s1 = vmul(scale, s0), vmul(scale, s1)
-    vstore(scores, o, s0)
-    vstore(scores, o + n, s1)
-
-
-@jit
-def row_span(r, cols, lo_off, hi_off, n):
-    """(first, end): the columns of the whole `n`-vectors that cover row r's visible columns
-    r + lo_off .. r + hi_off of a block of `cols` columns (see `qk_tile`); empty when it sees
-    none. The score steps after Q K^T work on these columns only, and `softmax_update` reads
-    only these."""
-    first = max(0, r + lo_off) // n * n
-    end = min(round_up(cols, n), round_up(max(0, r + hi_off + 1), n))
-    return first, end
 
 
 @jit
@@ -610,13 +493,6 @@ def _max_span(scores, start, end):
     return vhmax(vmax(vmax(t0, t1), vmax(t2, t3)))
 
 
-# whether the kernels take bfloat16 inputs as pairs and round P to bfloat16 (`_pairs`'
-# FORWARD_PAIRS and BACKWARD_PAIRS are this): the AVX512-BF16 dot products or AMX tiles.
-# Elsewhere they widen those inputs and compute the float32 kernel's bits
-# (`test_bf16.test_target_without_bf16_widens`)
-ROUNDS_P = _simd.BF16_DOT or _amx.TILES is not None
-
-
 def exp_for(x, inputs):
     """`vexp2(x)`, or `vexp2_half(x)` where `inputs` are 16-bit floats (a uint16 array) and
     `ROUNDS_P`: P is rounded to bfloat16 next, or a float16 output to 2^-11."""
@@ -804,23 +680,6 @@ def finite_rows(tile, first, end):
         x = vload(tile, o)
         total = vadd(total, vsub(x, x))
     return vhsum(total) == 0
-
-
-@jit
-def rescale_add(acc, o, alpha, total):
-    """acc[o : o + lanes] = alpha * acc[...] + total: a block's sum joins the running sum.
-
-    The block's sum starts from zero and joins the running sum once: a two-level sum, whose
-    rounding error grows with block_k + number of blocks instead of with the sequence length.
-    """
-    vstore(acc, o, vfma(vsplat(alpha, acc), vload(acc, o), total))
-
-
-@jit
-def _rescale_add(acc, o, alpha, t0, t1):
-    """`rescale_add` of two vectors: acc[o : o + 2 vectors]."""
-    rescale_add(acc, o, alpha, t0)
-    rescale_add(acc, o + lanes(acc), alpha, t1)
 
 
 @jit

@@ -28,7 +28,7 @@ from .._amx import tile_config, tile_dot, tile_file, tile_load, tile_release, ti
     tile_zero
 from .._jit import jit
 from .._simd import vload, vmul, vsplat, vstore, vstore_pairs, vzeros
-from ._steps import _sees, round_up, row_span
+from ._layout import _sees, round_up, row_span
 
 T = 16  # rows and columns of a tile
 STEP = 2 * T  # rows and columns a step covers, and terms of the sum an A tile holds

@@ -117,7 +117,7 @@ def _has_mask_mod(fns):
 def score_mod_tile(fns, scores, chain, rows, cols, spans, where, args):
     """``s = score_mod(s, b, h, q_idx, kv_idx, *args)`` over each row's span of the tile (row r
     at ``q_idx = q0 + r``, column c at ``kv_idx = kb + c``; ``where = (b, h, q0, kb)``,
-    ``spans = (lo_off, hi_off)`` as `_steps.row_span` takes them). Where `chain` has rows (the
+    ``spans = (lo_off, hi_off)`` as `_layout.row_span` takes them). Where `chain` has rows (the
     backward), the mod runs on duals and ``chain *= d(mod)/d(s)``; `chain` holds 1 (or the
     softcap's factor) where the mod is met."""
 

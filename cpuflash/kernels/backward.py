@@ -54,7 +54,7 @@ from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
 from .._simd import vfma, vhsum, vload, vzeros
-from . import _pairs, _pipeline, _steps, _user
+from . import _layout, _pairs, _pipeline, _steps, _user
 
 # True in `fa2_backward_plain`'s copies of the passes (`_jit.variant`), for calls with no
 # modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -421,14 +421,15 @@ def _score_buffers(block_q, block_k, d, d_v, like):
     (block_q rows), k_panels, v_panels (block_k keys), and three (block_q, keys) tiles: S/P,
     dP/dS and the chain factor."""
     dtype = like.dtype
-    width = 2 * _steps.lanes(like)
-    keys = _steps.round_up(block_k, width)
-    return (_steps.aligned_zeros((block_q, d), dtype), _steps.aligned_zeros((block_q, d_v), dtype),
-            _steps.aligned_zeros((keys // width, d, width), dtype),
-            _steps.aligned_zeros((keys // width, d_v, width), dtype),
-            _steps.aligned_zeros((block_q, keys), dtype),
-            _steps.aligned_zeros((block_q, keys), dtype),
-            _steps.aligned_zeros((block_q, keys), dtype))
+    width = 2 * _layout.lanes(like)
+    keys = _layout.round_up(block_k, width)
+    return (_layout.aligned_zeros((block_q, d), dtype),
+            _layout.aligned_zeros((block_q, d_v), dtype),
+            _layout.aligned_zeros((keys // width, d, width), dtype),
+            _layout.aligned_zeros((keys // width, d_v, width), dtype),
+            _layout.aligned_zeros((block_q, keys), dtype),
+            _layout.aligned_zeros((block_q, keys), dtype),
+            _layout.aligned_zeros((block_q, keys), dtype))
 
 
 @jit
@@ -436,8 +437,8 @@ def _rows_buffer(n_rows, dim, like):
     """A zeroed (rows rounded up to a key panel, dim rounded up to two vectors) tile: rows of
     an operand or an accumulator of the products (`pv_tile`, `tn_tile`), whose padding
     columns stay 0."""
-    width = 2 * _steps.lanes(like)
-    return _steps.aligned_zeros((_steps.round_up(n_rows, width), _steps.round_up(dim, width)),
+    width = 2 * _layout.lanes(like)
+    return _layout.aligned_zeros((_layout.round_up(n_rows, width), _layout.round_up(dim, width)),
                                 like.dtype)
 
 
@@ -447,7 +448,7 @@ def _store_deltas(dout, out, b, h, start, rows, do_rows, o_rows, delta, half_kin
     the compute dtype, summed in the same order whatever the strides of dout and out."""
     _steps.pack_rows(dout, b, h, start, rows, do_rows, half_kind)
     _steps.pack_rows(out, b, h, start, rows, o_rows, half_kind)
-    n, width = _steps.lanes(do_rows), do_rows.shape[1]
+    n, width = _layout.lanes(do_rows), do_rows.shape[1]
     for r in range(rows):
         total = vzeros(do_rows)
         for x in range(r * width, (r + 1) * width, n):

@@ -42,7 +42,7 @@ from numba.np.numpy_support import as_dtype
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
-from . import _pipeline, _steps, _user
+from . import _layout, _pipeline, _steps, _user
 from ._convert import load_widened, row_offset, unit, vector_rows, widen
 
 
@@ -130,7 +130,7 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
     """The buffers of one thread's chunk of items: `_buffers`, the row states and the tables of
     a block's key runs (`_block_runs`): its runs' block columns, key and value starts, and the
     next block's columns and key starts."""
-    n = _steps.lanes(like)
+    n = _layout.lanes(like)
     direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
     q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
                                                    d, v_cache.shape[3], like)
@@ -174,7 +174,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     k_scale, v_scale = scales
     quantized = k_scale.shape[0] > 0
     direct = k_rows.shape[0] == 0
-    everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # the rows' band offsets differ
+    everything = (-_layout.UNBOUNDED, _layout.UNBOUNDED)  # the rows' band offsets differ
     # a block's rows as runs of consecutive cache rows (split where a page ends): run i is
     # block columns run_cols[i] .. run_cols[i + 1], its first key row at element k_starts[i]
     # of k_cache (v_starts[i] of v_cache), the next rows one row stride further each
@@ -231,7 +231,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             # -- score modifiers and visibility, the rows of one query head at a time (they
             # share its modifiers; row r's diagonal is r + shift)
             inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
-            band = (inside, -_steps.UNBOUNDED, _steps.UNBOUNDED, left, right)
+            band = (inside, -_layout.UNBOUNDED, _layout.UNBOUNDED, left, right)
             # (no KV-cache call has a block mask: the state is every head's)
             state = _user.PARTIAL if _user.has_mask_mod(mods.functions) else _user.FULL
             for g in range(group if modified or not inside else 0):
@@ -300,13 +300,13 @@ def _scale_columns(scores, rows, cols, scale, unit_scale, block_table, b, h, sta
 def _buffers(rows, block_k, copied, d, dv, like):
     """q_rows, scores and acc of one thread's work items, and k_rows and v_tile for widened
     copies of `copied` key and value rows (zero when the rows are read in place). D and Dv are
-    padded to whole vectors (to two for scores and acc, as `_steps.tile_buffers` pads them),
+    padded to whole vectors (to two for scores and acc, as `_layout.tile_buffers` pads them),
     and the rows of scores to a multiple of four (`_dot_rows` stores two or four rows at a
     time)."""
     dtype = like.dtype
-    n = _steps.lanes(like)
-    dp, dvp = _steps.round_up(d, n), _steps.round_up(dv, 2 * n)
-    keys, score_rows = _steps.round_up(block_k, 2 * n), _steps.round_up(rows, 4)
+    n = _layout.lanes(like)
+    dp, dvp = _layout.round_up(d, n), _layout.round_up(dv, 2 * n)
+    keys, score_rows = _layout.round_up(block_k, 2 * n), _layout.round_up(rows, 4)
     return (np.zeros((rows, dp), dtype=dtype), np.zeros((copied, dp), dtype=dtype),
             np.zeros((copied, dvp), dtype=dtype), np.zeros((score_rows, keys), dtype=dtype),
             np.zeros((rows, dvp), dtype=dtype))
@@ -392,7 +392,7 @@ def _one_pass(width, rows, half_kind, like):
     `_stream_pv2`): up to four query rows of a head dim of eight vectors, in a float cache. Half
     caches keep the four-row shapes: the one-pass Q K^T, widening as it loads, measured 2x
     slower on a float16 cache."""
-    return width == 8 * _steps.lanes(like) and rows <= 4 and half_kind == 0
+    return width == 8 * _layout.lanes(like) and rows <= 4 and half_kind == 0
 
 
 @jit_borrowing
@@ -512,7 +512,7 @@ def _dot4x2(keys, k0, k1, half_kind, qs, q_rows, o2, o3):
     whose vectors are `qs` (as in `_dot2`), then those at flat o2 and o3 of `q_rows`. Returns
     (row 0 x k0, row 0 x k1, row 1 x k0, ..., row 3 x k1), each one FMA chain along D, bit for
     bit `_dot2`'s."""
-    n = _steps.lanes(qs[0])
+    n = _layout.lanes(qs[0])
     z = vzeros(qs[0])
     acc = (z, z, z, z, z, z, z, z)
     acc = _quad_step(keys, k0, k1, 0, half_kind, qs[0], qs[8], q_rows, o2, o3, acc)
@@ -541,7 +541,7 @@ def _quad_step(keys, k0, k1, x, half_kind, qa, qb, q_rows, o2, o3, acc):
 @jit_borrowing
 def _pair_vectors(q_rows, o, p):
     """The eight vectors of the query row at flat o, then the eight of the one at flat p."""
-    n = _steps.lanes(q_rows)
+    n = _layout.lanes(q_rows)
     return (vload(q_rows, o), vload(q_rows, o + n), vload(q_rows, o + 2 * n),
             vload(q_rows, o + 3 * n), vload(q_rows, o + 4 * n), vload(q_rows, o + 5 * n),
             vload(q_rows, o + 6 * n), vload(q_rows, o + 7 * n),
@@ -554,7 +554,7 @@ def _pair_vectors(q_rows, o, p):
 def _dot2(keys, k, half_kind, qs):
     """The two dot products of the key row at flat `k` with the query rows whose eight
     vectors each are `qs` (the first row's, then the second's): two FMA chains along D."""
-    n = _steps.lanes(qs[0])
+    n = _layout.lanes(qs[0])
     y = load_widened(keys, k, half_kind)
     a, b = vfma(qs[0], y, vzeros(y)), vfma(qs[8], y, vzeros(y))
     y = load_widened(keys, k + n, half_kind)
@@ -582,7 +582,7 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
     the count are skipped, not repeated (the branches are the same each step, and predicted):
     a multi-head model's group of one row did four times the arithmetic it needs, which for an
     int8 cache at D = 128 took 1.8 ms where its bytes take 0.6 (16384 keys, Zen 4)."""
-    n, dp, sw = _steps.lanes(q_rows), q_rows.shape[1], scores.shape[1]
+    n, dp, sw = _layout.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     run_cols, starts, n_runs, step = runs
     later_starts, later_step = later_runs[1], later_runs[3]
     q0, q1, q2, q3 = _row_starts(r, count, dp)
@@ -650,14 +650,14 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
     group sums would give that row 0 * inf = NaN.
 
     Each query row's block sum starts from zero in registers, adds the value rows in order and
-    joins `acc` once (`_steps.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
+    joins `acc` once (`_layout.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
     the grouping below. A head dim of eight vectors in a float cache takes two query rows x
     whole value rows at a time (every value row read front to back, nothing else loaded but
     P); others take four rows x four vectors, then four rows x one, the four-vector passes of
     the first four rows prefetching meanwhile the same columns of the rows in `later` given as
     `later_runs` (the next block's key rows).
     """
-    n = _steps.lanes(acc)
+    n = _layout.lanes(acc)
     if seen[0] and not _finite_runs(values, runs, width, half_kind, acc):
         _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen)
         return
@@ -686,7 +686,7 @@ def _finite_runs(values, runs, width, half_kind, like):
     for i in range(n_runs):
         o = starts[i]
         for c in range(run_cols[i], run_cols[i + 1]):
-            for x in range(0, width, _steps.lanes(like)):
+            for x in range(0, width, _layout.lanes(like)):
                 v = load_widened(values, o + x, half_kind)
                 total = vadd(total, vsub(v, v))
             o += step
@@ -697,14 +697,14 @@ def _finite_runs(values, runs, width, half_kind, like):
 def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen):
     """`_pv_rows` row by row, each over only the keys it sees (see `_pv_rows`): the same sums
     in the same order for finite values, less the terms of the keys it cannot see."""
-    n, sw = _steps.lanes(acc), scores.shape[1]
+    n, sw = _layout.lanes(acc), scores.shape[1]
     run_cols, starts, n_runs, step = runs
     _, n_q, offset, (left, right), mods, at = seen
     seq, h0, q0, kb, diag0, b, state = at
     for r in range(rows):
         diag = r % n_q + offset
-        first = diag - left if left >= 0 else -_steps.UNBOUNDED
-        last = diag + right if right >= 0 else _steps.UNBOUNDED
+        first = diag - left if left >= 0 else -_layout.UNBOUNDED
+        last = diag + right if right >= 0 else _layout.UNBOUNDED
         row_at = (seq, h0 + r // n_q, q0, kb, diag0, b, state)
         for x in range(0, width, n):
             total = vzeros(acc)
@@ -715,14 +715,14 @@ def _pv_rows_seen(scores, values, runs, width, acc, alpha, rows, half_kind, seen
                         total = vfma(vbroadcast(scores, r * sw + c),
                                      load_widened(values, o, half_kind), total)
                     o += step
-            _steps.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
+            _layout.rescale_add(acc, r * acc.shape[1] + x, alpha[r], total)
 
 
 @jit_borrowing
 def _stream_pv2(scores, r, count, values, runs, acc, alpha, half_kind):
     """Rows r, r + count - 1 (count <= 2) x eight vectors: 16 accumulators in registers over
     the whole block. A missing second row repeats the first and is not stored."""
-    n, sw = _steps.lanes(acc), scores.shape[1]
+    n, sw = _layout.lanes(acc), scores.shape[1]
     run_cols, starts, n_runs, step = runs
     p0, p1 = r * sw, (r + count - 1) * sw
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = vzeros(acc)
@@ -756,7 +756,7 @@ def _pv_micro4x4(scores, r, count, values, runs, x, acc, alpha, half_kind, later
     """Rows r .. r + count - 1 (count <= 4) x four vectors from column x: up to 16
     accumulators held in registers over the whole block; rows past the count are skipped (as
     in `_dot4x4`)."""
-    n, sw = _steps.lanes(acc), scores.shape[1]
+    n, sw = _layout.lanes(acc), scores.shape[1]
     run_cols, starts, n_runs, step = runs
     n_later = later_runs[2]
     p0, p1, p2, p3 = _row_starts(r, count, sw)
@@ -812,7 +812,7 @@ def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
             o += step
     for j, total in enumerate((a0, a1, a2, a3)):
         if j < count:
-            _steps.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
+            _layout.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
 
 
 @jit_borrowing
@@ -825,10 +825,10 @@ def _fma4(a, bs, c0, c1, c2, c3):
 @jit_borrowing
 def _join4(acc, r, x, alpha, a0, a1, a2, a3):
     """acc[r, x : x + 4 vectors] = alpha[r] * acc[r, ...] + (a0, a1, a2, a3)
-    (`_steps.rescale_add`)."""
+    (`_layout.rescale_add`)."""
     o = r * acc.shape[1] + x
     for i, total in enumerate((a0, a1, a2, a3)):
-        _steps.rescale_add(acc, o + i * _steps.lanes(acc), alpha[r], total)
+        _layout.rescale_add(acc, o + i * _layout.lanes(acc), alpha[r], total)
 
 
 def _signature(key):

@@ -12,7 +12,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array
-from . import _steps
+from . import _layout, _steps
 
 
 def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
@@ -22,11 +22,11 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
     cdtype = lse.dtype
     shift = n_k - n_q
     right = 0 if causal else -1
-    everything = (-_steps.UNBOUNDED, _steps.UNBOUNDED)  # FA-1 skips no panels
+    everything = (-_layout.UNBOUNDED, _layout.UNBOUNDED)  # FA-1 skips no panels
     for bh in prange(batch * n_heads):
         b, h = bh // n_heads, bh % n_heads
         hk = h // group
-        q_tile, k_kept, v_kept, scores, acc = _steps.tile_buffers(block_q, block_k, d, dv, lse)
+        q_tile, k_kept, v_kept, scores, acc = _layout.tile_buffers(block_q, block_k, d, dv, lse)
         k_panels, v_tile = k_kept[0], v_kept[0]
         tile_max = np.empty(block_q, dtype=cdtype)
         tile_sum = np.empty(block_q, dtype=cdtype)

@@ -22,7 +22,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
-from . import _pairs, _pipeline, _steps, _user
+from . import _layout, _pairs, _pipeline, _steps, _user
 
 # True in `fa2_forward_plain`'s copies of the functions below (`_jit.variant`), for calls with
 # no modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -58,12 +58,12 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     q_pairs, k_kept_pairs, v_kept_pairs, p_pairs = _pairs.pair_buffers(
         block_q, block_k, d, dv, k.shape[2], key_align, q, lse, half_kind)
     pairs = q_pairs.shape[0] > 0
-    q_tile, k_kept, v_kept, scores, acc = _steps.tile_buffers(
+    q_tile, k_kept, v_kept, scores, acc = _layout.tile_buffers(
         block_q, block_k, d, dv, lse, 0 if pairs else k.shape[2], key_align)
     row_max = np.empty(block_q, dtype=cdtype)
     row_sum = np.empty(block_q, dtype=cdtype)
     alpha = np.empty(block_q, dtype=cdtype)
-    # the packed key blocks kept for the next query tiles (`_steps.kept_block`)
+    # the packed key blocks kept for the next query tiles (`_layout.kept_block`)
     slots = np.full((k_kept_pairs.shape[0] if pairs else k_kept.shape[0], 4), -1, np.int64)
     k_panels, v_tile, k_pairs, v_pairs = k_kept[0], v_kept[0], k_kept_pairs[0], v_kept_pairs[0]
     # the part of the scale that Q takes as it is packed (`_pairs.folded_scale`)
@@ -125,7 +125,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             first = max(0, lo_off, c_lo) // w * w
             end = min(cols, tile_rows + hi_off, c_hi)
             if end > first:
-                s, held = _steps.kept_block(slots, batch_k * k.shape[1] + hk, k_start + kb,
+                s, held = _layout.kept_block(slots, batch_k * k.shape[1] + hk, k_start + kb,
                                             first, end, key_align)
                 if pairs:
                     k_pairs, v_pairs = k_kept_pairs[s], v_kept_pairs[s]

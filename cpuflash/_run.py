@@ -1,0 +1,410 @@
+"""The runner: a validated call in, the kernels run, the result out.
+
+Below the public modules (`api`, `flex`, `_backward`), above the kernels. For each call it
+chooses the route (the FA-2 forward, or the split-KV decoding kernel for one-row calls and KV
+caches), the tiles (`tiling`) and the work items (`_schedule`), keeps what a repeated call can
+reuse (`_plans`), writes new keys into a cache (`_kvcache`) and merges key splits (`_combine`).
+"""
+
+import numpy as np
+
+from . import _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
+from .kernels._band import SEQ_N_K, SEQ_N_Q
+from .kernels.decode import decode as decode_kernel, decode_plain
+from .kernels.forward import fa2_forward, fa2_forward_plain
+
+
+def attention_again(key, q, k, v, out, return_lse):
+    """`cpuflash.attention`'s result when `key` (`plan_key`) found the plan of an earlier call
+    and the checks that can fail for it pass; else None (the full path)."""
+    setup = _plans.get(key)
+    if setup.__class__ is Forward:
+        return forward_again(setup, q, k, v, out, return_lse)
+    if setup is not None and out is None:
+        return decode_again(setup, q, k, v, None, return_lse)
+    return None
+
+
+def attention(call, layout, key, out_given, return_lse):
+    """Run a validated `cpuflash.attention` call; `key`: its plan key (`plan_key`), or None
+    for a call no later one may reuse."""
+    if not (call.n_q and call.batch and call.n_heads):
+        return call.result(return_lse)
+    group = call.n_heads // call.n_kv_heads
+    if (call.n_q == 1 and call.n_k and group <= tiling.DECODE_MAX_ROWS and call.tiles is None
+            and not call.bias.size and not call.mask.size):
+        # one query row (a decoding step): the streaming decode kernel, in a number of key
+        # splits that no thread count changes (the results must not depend on it). Calls of a
+        # few rows keep the FA-2 kernel, which `python -m cpuflash warmup` compiles with one.
+        setup = Decode(call, layout, call.n_k, ATTENTION_SPLIT_THREADS)
+        if key is not None and not out_given:
+            _plans.put(key, setup.frozen())
+        n_keys = np.full(call.batch, call.n_k, dtype=np.int64)
+        decode(setup, call.q, call.k, call.v, n_keys, call.n_k, call.out_bhsd, call.lse,
+               call.sinks)
+    else:
+        seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+        if key is not None and call.copy_back is None:
+            _plans.put(key, Forward(call, layout, seqs))
+        forward(call, seqs)
+    return call.result(return_lse)
+
+
+def kvcache_again(key, q, k, v, cache_seqlens, return_lse, new_k, new_v, scales):
+    """`cpuflash.attention_with_kvcache`'s result when `key` found an earlier call's plan and
+    the checks that can fail for it pass (`decode_again`); else None (the full path)."""
+    setup = _plans.get(key)
+    if setup is None:
+        return None
+    return decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k, new_v, scales)
+
+
+def kvcache(call, layout, key, return_lse):
+    """Run a validated `cpuflash.attention_with_kvcache` call: the new keys written in, then
+    the decoding kernel, or for chunked prefill the FA-2 forward."""
+    k, v = _kvcache.write_new_keys(call)  # every check has passed
+    if not (call.n_q and call.batch):
+        call.out_kernel[...] = 0
+        call.lse[...] = -np.inf
+        return call.result(return_lse)
+    group = call.n_heads // call.n_kv_heads
+    # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
+    # the FA-2 kernel would need a float copy)
+    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
+        setup = Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
+        if key is not None:
+            _plans.put(key, setup.frozen())
+        decode(setup, call.q, k, v, call.n_keys, call.n_k, call.out_bhsd, call.lse,
+               call.sinks, scales=(call.k_scale, call.v_scale))
+    else:  # chunked prefill: enough query rows per key block for the packed FA-2 kernel
+        if call.paged:
+            k, v = _kvcache.gather_pages(call)
+        seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
+        seqs[:, SEQ_N_K] = call.n_keys
+        forward(call, seqs, (call.q, k, v, call.out_kernel, call.lse))
+    return call.result(return_lse)
+
+
+class Forward:
+    """What a repeated FA-2 forward call needs besides its arrays: the checked call of an
+    earlier one with the same key (`plan_key`), and its sequence table. (A call's arrays
+    are passed to `forward` beside it: a copy of it with them would cost 5.7 us, a third
+    of the checks skipped.)"""
+
+    def __init__(self, call, layout, seqs):
+        self.layout = layout
+        self.n_k = call.n_k  # (not in the key, which leaves out the keys' axis)
+        self.out_shape = call.out_user.shape
+        self.lse_rows = call.lse.shape
+        self.launch = None  # (see `_plans.launch`)
+        seqs.flags.writeable = False
+        self.seqs = seqs
+        self.call = call.without_arrays()
+
+
+def forward_again(setup, q, k, v, out, return_lse):
+    """A call whose key found `setup`: the checks that can fail for the same key (the keys'
+    count, alignment, `out`), then the kernel. None when one fails: the full path then raises
+    the error or handles the case."""
+    axis = _SEQ_AXIS[setup.layout]
+    if (k.shape[axis] != setup.n_k or v.shape[axis] != setup.n_k or not q.flags.aligned
+            or not k.flags.aligned or not v.flags.aligned):
+        return None
+    if out is None:
+        out = np.empty(setup.out_shape, dtype=setup.call.dtype)
+    elif not (out.__class__ is np.ndarray and out.shape == setup.out_shape
+              and out.dtype == setup.call.dtype and out.flags.writeable and out.flags.aligned
+              and not (np.may_share_memory(out, q) or np.may_share_memory(out, k)
+                       or np.may_share_memory(out, v))):
+        return None
+    out_bhsd = out
+    if setup.layout == "bshd":
+        q, k, v, out_bhsd = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), \
+            out.swapaxes(1, 2)
+    lse = np.empty(setup.lse_rows, dtype=setup.call.compute_dtype)
+    view = _validate.kernel_view
+    forward(setup.call, setup.seqs, (view(q), view(k), view(v), view(out_bhsd), lse),
+                 setup)
+    return (out, lse.reshape(setup.call.lse_shape)) if return_lse else out
+
+
+def forward(call, seqs, arrays=None, plan=None):
+    """Choose tiles, deal the work items to threads and run the FA-2 kernel. `arrays`: (q, k,
+    v, out, lse) as the kernel takes them, in place of the call's; `plan`: the `Forward` that
+    keeps the launch (`forward_again`)."""
+    n_threads = _threads.thread_count()
+    if plan is None:
+        launch = _forward_launch(call, seqs, n_threads)
+    else:
+        valid = (n_threads, tiling.choose_tiles, tiling.split_for_threads,
+                 _threads.FORKED_AFTER_OPENMP)
+        launch = _plans.launch(plan, valid, lambda: _forward_launch(call, seqs, n_threads))
+    kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline = launch
+    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
+    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
+           call.half_kind, *pipeline)
+
+
+def _forward_launch(call, seqs, n_threads):
+    """(kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline): the FA-2 kernel's
+    arguments that the call's shapes, options and the thread count decide."""
+    key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
+           call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
+           tiling.split_for_threads)
+    tiles, key_align, items, chunk_ptr = _plans.schedule(
+        key, lambda: _forward_schedule(call, seqs, n_threads))
+    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
+    return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
+            call.kernel_pipeline())
+
+
+def _forward_schedule(call, seqs, n_threads):
+    """(tiles, key_align, items, chunk_ptr) of the FA-2 forward over the sequences `seqs`."""
+    tiles = call.tiles
+    longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
+    if tiles is None:
+        tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
+        tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
+        tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
+        tiles, key_align = tiling.band_tiles(tiles, call.window)  # sized for the clamped rows
+    else:
+        key_align = tiles.block_k
+    tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
+    key_align = min(key_align, tiles.block_k)
+    items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
+                                       key_align)
+    items, chunk_ptr = _schedule.balance(items, cost, n_threads)
+    return tiles, key_align, items, chunk_ptr
+
+
+# The thread count that decides the key splits of `attention` calls taken by the decode kernel:
+# a constant, since their results must not depend on the thread count (8 splits the keys of a
+# single-head call over 4096 keys into 8, of one over 1024 into 2, as a KV-cache call on 8
+# threads would).
+ATTENTION_SPLIT_THREADS = 8
+
+
+class Decode:
+    """What the decode route of a call needs besides the call's arrays and lengths: everything
+    its shapes, dtypes and options decide. `_plans` keeps it (`frozen`) for the next call with
+    the same key (`plan_key`)."""
+
+    def __init__(self, call, layout, n_max, plan_threads):
+        self.layout, self.dtype, self.compute_dtype = layout, call.dtype, call.compute_dtype
+        self.native = call.dtype == call.compute_dtype  # the kernel may write the output
+        self.batch, self.n_heads, self.n_kv_heads = call.batch, call.n_heads, call.n_kv_heads
+        self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
+        self.half_kind = call.half_kind
+        self.pipeline, self.user_types = call.kernel_pipeline(), call.kernel_key()[2]
+        self.kernel = decode_plain if call.plain() else decode_kernel  # (`kernels.decode.PLAIN`)
+        # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
+        # microsecond of a short call)
+        self.compiled = None
+        self.sinks = call.sinks  # (also in the pipeline: the merge adds them)
+        self.block_table, self.page_rows = call.block_table, call.page_rows
+        self.n_max = n_max  # keys of a full cache (of every batch entry)
+        self.num_splits = call.num_splits
+        self.n_new = 0 if call.new_k is None else call.new_k.shape[2]  # keys written in
+        self.plan_threads = plan_threads  # 0: numba's thread count at the call
+        self.quantized = call.quantized  # a quantized cache's format, or None
+        if self.block_table is None:  # `attention`: one page of all keys per batch entry
+            self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
+            self.page_rows = n_max
+        self.full_keys = None
+        self._lengths = (None, None)  # (n, `lengths(n)`) of the last call
+
+    def lengths(self, n_k):
+        """Each batch entry's key count, `n_k` for all, as the kernel reads them (read-only).
+        The last one is kept: a model's layers all ask for the length of the same step."""
+        last = self._lengths
+        if last[0] != n_k:
+            n_keys = np.full(self.batch, n_k, dtype=np.int64)
+            n_keys.flags.writeable = False
+            self._lengths = last = (n_k, n_keys)
+        return last[1]
+
+    def frozen(self):
+        """This setup with its arrays read-only, and the lengths of a full cache, to share."""
+        self.full_keys = np.full(self.batch, self.n_max, dtype=np.int64)
+        pipeline = self.pipeline[0]
+        for array in (self.block_table, self.full_keys, pipeline.alibi, pipeline.bias,
+                      pipeline.bias_map, pipeline.mask, pipeline.mask_map, pipeline.sinks):
+            array.flags.writeable = False
+        return self
+
+
+def quantized_scales(k_cache, v_cache, cache_seqlens):
+    """None for float caches; (k scale, v scale) for two QuantizedKV caches of numpy arrays
+    given with `cache_seqlens` (the arrays' shapes then are the key's, whole); False for any
+    other call with a QuantizedKV: the full path."""
+    k_quantized = isinstance(k_cache, _quantize.QuantizedKV)
+    v_quantized = isinstance(v_cache, _quantize.QuantizedKV)
+    if not (k_quantized or v_quantized):
+        return None
+    if not (k_quantized and v_quantized and cache_seqlens is not None
+            and k_cache.scale.__class__ is np.ndarray and v_cache.scale.__class__ is np.ndarray):
+        return False
+    return k_cache.scale, v_cache.scale
+
+
+def plan_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
+                num_splits, return_lse, new_k=None, new_v=None):
+    """The `_plans` key of a call with options of the common kinds, or None (the full path).
+    `new_k`, `new_v`: the new keys and values of a KV-cache call, or None."""
+    if new_k is None:
+        new = None
+    elif new_k.__class__ is np.ndarray and new_v.__class__ is np.ndarray:
+        new = (new_k.shape, new_k.dtype, new_v.shape, new_v.dtype)
+    else:
+        return None
+    if not (causal.__class__ is bool and return_lse.__class__ is bool
+            and layout.__class__ is str and num_splits.__class__ is int
+            and (scale is None or scale.__class__ is float or scale.__class__ is int)
+            and (softcap.__class__ is float or softcap.__class__ is int)
+            and q.__class__ is np.ndarray and k.__class__ is np.ndarray
+            and v.__class__ is np.ndarray):
+        return None
+    if window is not None and not (window.__class__ is tuple and len(window) == 2
+                                   and window[0].__class__ is int
+                                   and window[1].__class__ is int):
+        return None
+    if cache_seqlens is None or cache_seqlens.__class__ in (int, np.ndarray):
+        lengths = None if cache_seqlens is None else cache_seqlens.__class__
+    else:
+        return None
+    k_shape, v_shape = k.shape, v.shape
+    if cache_seqlens is None and new is None and k.ndim == v.ndim == 4:
+        # every key of the arrays is attended to: their length is the call's, not the plan's
+        # (transformers' caches grow by one key a step, so each step has a new length)
+        axis = _SEQ_AXIS.get(layout, 2)
+        k_shape, v_shape = _without(k_shape, axis), _without(v_shape, axis)
+    return (kind, q.shape, q.dtype, k_shape, k.dtype, v_shape, v.dtype, causal, scale, window,
+            softcap, layout, num_splits, lengths, new)
+
+
+_SEQ_AXIS = {"bhsd": 2, "bshd": 1}  # the sequence axis of 4-D arrays
+
+
+def _without(shape, axis):
+    return shape[:axis] + (None,) + shape[axis + 1:]
+
+
+def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=None,
+                  scales=None):
+    """A call whose key found `setup`: only the checks that can fail for the same key (values,
+    alignment, a writable cache), then the new keys written in and the kernel. None when a
+    check fails: the full path then raises the error. `k`, `v`: the cache arrays (a quantized
+    cache's 8-bit data, its (k, v) scales in `scales`)."""
+    arrays = (k, v) if scales is None else (k, v) + tuple(scales)
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned
+            and (scales is None or all(x.flags.aligned for x in scales))):
+        return None  # the full path copies them
+    if new_k is not None and not all(x.flags.writeable for x in arrays):
+        return None
+    room = setup.n_max - setup.n_new  # the largest valid length
+    page_rows = setup.page_rows
+    if cache_seqlens is None:
+        if setup.n_new:
+            return None
+        starts, n_keys, n_k = None, setup.full_keys, setup.n_max
+        if setup.block_table.shape[1] == 1:  # unpaged: the arrays' own length (see plan_key)
+            axis = _SEQ_AXIS[setup.layout]
+            n_k = k.shape[axis]
+            if n_k == 0 or v.shape[axis] != n_k:
+                return None  # the full path: no keys, or a mismatch it names
+            if n_k != setup.n_max:
+                n_keys = setup.lengths(n_k)
+                page_rows = n_k
+    elif cache_seqlens.__class__ is int:
+        if not 0 <= cache_seqlens <= room:
+            return None
+        starts = [cache_seqlens] * setup.batch
+        n_k = cache_seqlens + setup.n_new
+        n_keys = setup.lengths(n_k)
+    else:
+        if cache_seqlens.dtype.kind not in "iu" or cache_seqlens.shape != (setup.batch,):
+            return None
+        starts = cache_seqlens.tolist()
+        longest = max(starts)
+        if min(starts) < 0 or longest > room:
+            return None
+        n_k = longest + setup.n_new
+        n_keys = cache_seqlens.astype(np.int64)
+        if setup.n_new:
+            n_keys += setup.n_new
+    if setup.layout == "bshd":
+        q, k, v = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2)
+        out_user = np.empty((setup.batch, setup.n_q, setup.n_heads, setup.head_dim_v),
+                            dtype=setup.dtype)
+        out_bhsd = out_user.swapaxes(1, 2)
+    else:
+        out_user = out_bhsd = np.empty((setup.batch, setup.n_heads, setup.n_q,
+                                        setup.head_dim_v), dtype=setup.dtype)
+    if scales is not None and setup.layout == "bshd":
+        scales = tuple(x.swapaxes(1, 2) for x in scales)
+    if new_k is not None:  # every check has passed: into each entry's rows after its length
+        if setup.layout == "bshd":
+            new_k, new_v = new_k.swapaxes(1, 2), new_v.swapaxes(1, 2)
+        if scales is not None:  # quantized first, as the full path writes them
+            (new_k, k_scale), (new_v, v_scale) = (_quantize.quantize_rows(x, setup.quantized)
+                                                  for x in (new_k, new_v))
+        for b, start in enumerate(starts):
+            k[b, :, start:start + setup.n_new] = new_k[b]
+            v[b, :, start:start + setup.n_new] = new_v[b]
+            if scales is not None:
+                scales[0][b, :, start:start + setup.n_new] = k_scale[b]
+                scales[1][b, :, start:start + setup.n_new] = v_scale[b]
+    if scales is not None:  # as `_validate.kvcache_args` hands them to the kernel
+        q = np.asarray(q, dtype=np.float32)
+        k, v = _validate.bits_view(k), _validate.bits_view(v)
+    elif setup.half_kind != _validate.NATIVE:
+        q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
+    lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
+    decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows, scales)
+    return (out_user, lse) if return_lse else out_user
+
+
+# the scales of a float cache (the kernel's quantized steps are skipped)
+_NO_SCALES = np.zeros((0, 0, 0), dtype=np.float32)
+_NO_SCALES.flags.writeable = False
+
+
+def decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, scales=None):
+    """Split-KV streaming decode into `out_bhsd` and `lse`, then the exact merge of the splits
+    (and the sinks). `q`, `k`, `v` as the kernels read them; `page_rows`: the cache's rows per
+    page when they are not the setup's (an unpaged cache of another length); `scales`: the
+    (k, v) scales of a quantized cache, (pages, Hk, page rows) float32, or None."""
+    if page_rows is None:
+        page_rows = setup.page_rows
+    k_scale, v_scale = (_NO_SCALES, _NO_SCALES) if scales is None or scales[0] is None \
+        else scales
+    n_threads = _threads.thread_count()
+    plan = _plans.decode_plan(n_k, setup.batch * setup.n_kv_heads, setup.plan_threads or n_threads,
+                              setup.head_dim, setup.compute_dtype, setup.num_splits)
+    direct = setup.native and not sinks.size  # the kernel or the merge writes the output
+    if plan.n_splits == 1 and direct:
+        part_out, part_lse = out_bhsd[None], lse[None]
+    else:
+        part_out = np.empty((plan.n_splits, setup.batch, setup.n_heads, setup.n_q,
+                             setup.head_dim_v), dtype=setup.compute_dtype)
+        part_lse = np.empty(part_out.shape[:-1], dtype=setup.compute_dtype)
+    kernel = setup.compiled
+    if kernel is None or _threads.FORKED_AFTER_OPENMP:
+        kernel = setup.compiled = setup.kernel.specialize((k.dtype, setup.compute_dtype,
+                                                           q.dtype, setup.user_types))
+    kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
+           plan.block_k, setup.half_kind, *setup.pipeline, part_out, part_lse, n_threads)
+    if plan.n_splits > 1:
+        out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
+        _combine.merge_into(part_out, part_lse, out, lse)
+    elif direct:
+        return
+    else:
+        out = part_out[0]
+        lse[...] = part_lse[0]
+    if sinks.size:
+        out, lse[...] = _combine.add_sinks(out, lse, sinks)
+    if out is not out_bhsd:
+        out_bhsd[...] = out  # rounds to a half-precision output dtype here
+
+
