@@ -27,9 +27,8 @@ KEY_PANEL = 32
 # asserted there) and of 8. The groups then start at the same rows of a sequence for every block_q
 # chosen here, so a row is summed the same way for every thread count.
 BLOCK_Q_MULTIPLE = 24
-# Measured on the AMD EPYC (Zen 5) test machine (bench/sweep_tiles.py, docs/performance.md
-# "Tiles"): past 384 x 256 the speed is flat, while fewer, larger work items feed the threads
-# worse.
+# Chosen by measurement (bench/sweep_tiles.py, docs/history.md "Tiles (Zen 5)"): past
+# 384 x 256 the speed is flat, while fewer, larger work items feed the threads worse.
 MAX_BLOCK_Q = 384
 MAX_BLOCK_K = 256
 # The widest two-sided window (left + right keys) whose band a query tile takes as one key

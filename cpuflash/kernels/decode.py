@@ -5,7 +5,7 @@ and used for a handful of dot products. So the kernel packs nothing: it reads th
 key block in place from their pages (float16/bfloat16 bits widened as they are loaded, so half
 the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
 that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when each
-row is read once, front to back (docs/performance.md, Decoding), so for up to four rows and a head
+row is read once, front to back (docs/history.md, "What caps decoding"), so for up to four rows and a head
 dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, Q K^T takes all the rows
 in one pass over the keys, prefetching the key rows ahead, and P V two rows at a time (four
 rows' accumulators would need all 32 vector registers); otherwise four query rows at a time,
@@ -429,11 +429,11 @@ def _stream_dot2(q_rows, count, keys, runs, scores, half_kind, next_start):
 def _stream_dot4(q_rows, count, keys, runs, scores, half_kind, next_start):
     """`_dot_rows` for rows 0 .. count - 1 (count of 3 or 4) of a head dim of eight vectors,
     in one pass over the keys: a second pass over a block, even one served from L2, costs the
-    stream far more than its arithmetic (docs/performance.md). Rows 0 and 1 keep their query
-    vectors in registers and rows 2 and 3 load theirs from L1, two keys at a time: 8 FMA chains
-    in 27 registers. Each step prefetches the key rows `AHEAD` columns on: this loop issues
-    more instructions per cache line than the hardware prefetcher keeps ahead of (Q K^T alone
-    streamed at 63-70% of the read bandwidth without, 96-102% with, on one core). The
+    stream far more than its arithmetic (docs/history.md, "What caps decoding"). Rows 0 and 1
+    keep their query vectors in registers and rows 2 and 3 load theirs from L1, two keys at a
+    time: 8 FMA chains in 27 registers. Each step prefetches the key rows `AHEAD` columns on:
+    this loop issues more instructions per cache line than the hardware prefetcher keeps ahead
+    of (measured there). The
     prefetched rows are found from the current one, one stride per row, and on a run's last
     rows in the next run (`_run_jump`): no bookkeeping in the loop, which with the block in L2
     took as long as the arithmetic. A missing fourth row repeats the third, its sums landing in
