@@ -2,8 +2,8 @@
 
 Why this layer exists: on Intel's cores with AMX (Sapphire Rapids and later) bfloat16 products run
 on a tile unit, eight 16 x 64-byte registers and a `tdpbf16ps` that multiplies a 16 x 32 bfloat16
-tile by a 32 x 16 one into a 16 x 16 float32 tile: torch's bfloat16 matmul on it ran 4.3x its
-float32 one (1507 against 351 GFLOP/s, 2 cores, docs/performance.md), while the AVX512-BF16 dot
+tile by a 32 x 16 one into a 16 x 16 float32 tile: torch's bfloat16 matmul on it ran several
+times as fast as its float32 one (measured: docs/history.md, "bfloat16"), while the AVX512-BF16 dot
 product there does half the multiply-adds of `fma` (`bench/bf16_ports.py`). LLVM reaches the unit
 through intrinsics that name a tile by an immediate number, so this module gives Numba one function
 per instruction, the number a literal argument.
@@ -88,7 +88,7 @@ def _choose(isa, forced, request):
 
 
 # AVX512-BF16 as `_simd` sees it too: a CPU named without it (``NUMBA_CPU_NAME=skylake-avx512``
-# on a Xeon) is asked for code that runs there, though Numba passes the host's AMX features
+# on an AMX CPU) is asked for code that runs there, though Numba passes the host's AMX features
 TILES, REASON = _choose(_target_has_amx(config.CPU_FEATURES) and BF16_ISA,
                         os.environ.get("CPUFLASH_AMX"), _request_tile_state)
 _EMULATED = TILES != "hardware"

@@ -5,8 +5,8 @@ code at once, then links its IR into every caller, which optimizes the whole aga
 into machine code again. A kernel's body sits at the bottom of a chain: the helpers, the
 parallel loop's body (the parfor gufunc), that body's two wrappers (`_GufuncWrapper`,
 ``parallelgufuncwrapper``) and the kernel, each finalized on its own. Logged on a cold compile
-of the decoding kernel (Zen 4, 2026-12-04), its body was optimized and emitted five times, LLVM
-took 13.7 of 22.2 s, and only the kernel's machine code is ever run.
+of the decoding kernel, its body was optimized and emitted five times, LLVM took most of the
+time, and only the kernel's machine code is ever run (docs/history.md, "Compile time").
 
 Inside `deferred()` (`_jit.Kernel` compiles and loads its kernels there) a library finalized by
 Numba links its callees and stops: optimization and machine code wait until something asks for
@@ -18,8 +18,9 @@ saved as IR (bitcode), not machine code, and a later compile that loads it links
 
 What a kernel computes does not change, only how often its code is optimized: the kernels'
 flags forbid reassociation, and their SIMD steps write each fused multiply-add explicitly. 167
-outputs of every kernel and dtype came out bit-identical to Numba's own way (2026-12-04), at the
-same speed. Numba releases it was not checked against compile as Numba does (`SUPPORTED`).
+outputs of every kernel and dtype came out bit-identical to Numba's own way, at the same speed
+(docs/history.md, "Compile time"). Numba releases it was not checked against compile as Numba
+does (`SUPPORTED`).
 """
 
 import contextlib

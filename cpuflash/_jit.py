@@ -132,10 +132,11 @@ class HelperCompiler(compiler.CompilerBase):
     expressions and index by string constants).
 
     Numba runs every pass over every function it compiles, and a kernel's chain holds 60-80
-    of them: these took about 0.6 of the 5.8 s of a cold forward compile (Zen 4). Without SSA
-    form a variable keeps one type in the whole function (as in Numba before 0.50), so each
-    helper gives each of its variables one type (`tests/test_helper_compiler.py` checks it),
-    and the kernels' outputs came out bit-identical. A helper written with a closure or a
+    of them: these took a noticeable share of a cold forward compile (measured:
+    docs/history.md, "Compile time", a shorter pipeline for helpers). Without SSA form a
+    variable keeps one type in the whole function (as in Numba before 0.50), so each helper
+    gives each of its variables one type (`tests/test_helper_compiler.py` checks it), and the
+    kernels' outputs came out bit-identical. A helper written with a closure or a
     comprehension fails to compile; an array expression (``a + b`` on arrays) compiles unfused.
     The kernels (`Kernel`) keep Numba's own pipeline, which their parallel loops need.
     """
@@ -272,9 +273,9 @@ class _PackageCacheImpl(caching.CompileResultCacheImpl):
     """Numba's cache entries of compiled functions, without the typed source of cpuflash's.
 
     With each entry Numba stores the function's source annotated with every variable's type
-    (for `inspect_types()`); rendering it for the 60-80 functions of a kernel's chain took
-    about 0.07 of the 5.5 s of a cold forward compile (Zen 4). Nobody inspects the kernels'
-    helpers through the cache.
+    (for `inspect_types()`); rendering it for the 60-80 functions of a kernel's chain took a
+    small share of a cold forward compile (measured: docs/history.md, "Compile time"). Nobody
+    inspects the kernels' helpers through the cache.
     """
 
     def reduce(self, cres):
@@ -306,8 +307,8 @@ def without_literals(dispatcher):
     constant, each typed, optimized, emitted and cached on its own (six of one decoding helper,
     whose calls differ by a constant offset). LLVM inlines the small helpers and propagates the
     constants all the same. Not for every helper: a literal also lets Numba drop the branches it
-    decides, and the forward and backward compiled slower without (12.2 -> 15.6 s, 17.3 ->
-    20.6 s, cold), where the decoding kernel compiled faster (23.6 -> 17.2 s).
+    decides, and the forward and backward compiled slower without, where the decoding kernel
+    compiled faster (measured, cold: docs/history.md, "Compile time").
     """
     typed = dispatcher.get_call_template
 
@@ -381,10 +382,11 @@ class Kernel:
         function of the signature's arguments."""
         if _threads.FORKED_AFTER_OPENMP and self._parallel:
             return self._one_thread().specialize(key)
-        # Hashing a key that holds a Numba type (the user's functions' type) costs 2 us, a
-        # tenth of a short decoding call; the objects of a key are mostly the very same from
-        # call to call (dtypes and Numba types are interned), so they are looked up by
-        # identity first. An entry keeps its key's objects alive: their ids stay theirs.
+        # Hashing a key that holds a Numba type (the user's functions' type) costs a noticeable
+        # share of a short decoding call (docs/history.md, "Zen 4 (2026-12-02): Numba's
+        # dispatcher"); the objects of a key are mostly the very same from call to call
+        # (dtypes and Numba types are interned), so they are looked up by identity first. An
+        # entry keeps its key's objects alive: their ids stay theirs.
         identity = tuple(map(id, key)) if type(key) is tuple else id(key)
         known = self._by_identity.get(identity)
         if known is not None:
@@ -438,9 +440,10 @@ def _entry_point(dispatcher):
     """The machine code's own Python entry of a dispatcher compiled for one signature.
 
     Calling the dispatcher types every argument first, and an argument that is a tuple (the
-    kernels' `mods`) is typed element by element in Python: 150-240 us a call, more than a
-    small call's whole work. The entry point converts the arguments by its one signature, in
-    about a microsecond. It refuses an array of another dtype or a tuple of another length,
+    kernels' `mods`) is typed element by element in Python, which cost more than a small
+    call's whole work. The entry point converts the arguments by its one signature, for a
+    small fraction of that (measured: docs/history.md, "Zen 4 (2026-12-02): Numba's
+    dispatcher"). It refuses an array of another dtype or a tuple of another length,
     but not an array of another number of dimensions: every caller passes arrays the
     validation built, and the test suite runs with `CHECK_ARGUMENTS` too.
     """

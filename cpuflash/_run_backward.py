@@ -62,7 +62,9 @@ def backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
             if not (x.__class__ is np.ndarray and x.shape == like.shape
                     and x.dtype == call.dtype and x.flags.writeable and x.flags.aligned):
                 return None
-            for y in read:  # (a loop: generators cost a small call's 4 us here)
+            # (a loop: generators cost a small call measurably more here; docs/history.md,
+            # "Zen 4 (2026-12-05, later): the tiny model's backward")
+            for y in read:
                 if np.may_share_memory(x, y):
                     return None
             read.append(x)  # nor another gradient
@@ -153,10 +155,10 @@ def _backward_schedule(call, seqs, n_threads, fused):
 
 
 # The fused scheme does 5 tile products where the split one does 7 (it rebuilds S and dP for
-# dQ), and its items run 2.0-2.1x the split's work rate in all: it is chosen when its
-# (sequence, kv head) items keep the threads busy for at least this share of the time. Forced
-# either way on 2 cores (Zen 4): 3 kv heads (75% busy) 1.50-1.63x faster fused, 5 and 7
-# (83%, 88%) 1.79-1.89x, one kv head (50%) 1.01-1.06x; so the break-even is near 48% busy.
+# dQ), and in all its items get through their work faster than the split's: it is chosen when
+# its (sequence, kv head) items keep the threads busy for at least this share of the time. Each
+# scheme forced in turn, the fused one won from a little below this share; the threshold keeps
+# a margin above that break-even (measured: docs/history.md, "Backward").
 FUSED_MIN_BUSY = 0.6
 
 

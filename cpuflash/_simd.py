@@ -132,10 +132,11 @@ def _target_has_avx512bf16(cpu_name, features):
 def _bf16_dot_pays(cpu_name, forced):
     """Whether `vdpbf16ps` does more multiply-adds per cycle than `fma` on the target's cores.
 
-    Measured (`bench/bf16_ports.py`): on AMD Zen 4 and Zen 5 it does twice as
-    many, on Intel's AVX512-BF16 cores (Sapphire Rapids class) half as many, so there the
-    bfloat16 kernels would run slower than the widening path (Intel's fast bfloat16 unit is
-    AMX, which cpuflash does not use). `forced` (``CPUFLASH_BF16_DOT``) is "1" or "0" to
+    Measured (`bench/bf16_ports.py`; docs/history.md, "bfloat16"): on AMD's cores that have
+    it (Zen 4 and Zen 5) it does about twice as many, on Intel's AVX512-BF16 cores (Sapphire
+    Rapids class) about half as many, so there the bfloat16 kernels would run slower than the
+    widening path (Intel's fast bfloat16 unit is AMX, which cpuflash reaches through `_amx`
+    instead). `forced` (``CPUFLASH_BF16_DOT``) is "1" or "0" to
     choose either way, for tests and for measuring a CPU this rule does not know.
     """
     if forced in ("0", "1"):
@@ -156,7 +157,7 @@ BF16_DOT = BF16_ISA and _bf16_dot_pays(config.CPU_NAME, os.environ.get("CPUFLASH
 
 def lanes_for(dtype):
     """Lanes of a vector of `dtype` (anything `np.dtype` accepts: float32 or float64)."""
-    char = np.dtype(dtype).char  # (a dtype's `name` is Python code: 3 us)
+    char = np.dtype(dtype).char  # (not `name`: numpy computes a dtype's name in Python)
     if char not in "fd":
         raise ValueError("`dtype` must be float32 or float64, got %s" % np.dtype(dtype).name)
     return LANES_F32 if char == "f" else LANES_F64

@@ -32,8 +32,8 @@ BLOCK_Q_MULTIPLE = 24
 MAX_BLOCK_Q = 384
 MAX_BLOCK_K = 256
 # The widest two-sided window (left + right keys) whose band a query tile takes as one key
-# block (`band_tiles`). Measured at N=16384, D=128, block_q=384 against blocks of 256: one band
-# block is 1.05x faster for windows of 256 and 1024 keys, 0.93x for 2048.
+# block (`band_tiles`). Chosen by measurement (docs/history.md, "Tiles (Zen 5)"): against
+# blocks of 256 keys, one band block is faster for windows of up to 1024 keys, slower at 2048.
 MAX_BAND = 1024
 # Bytes of a value row that the L1 rule charges per key: the two-vector slice (64-byte vectors)
 # of the narrow P V micro-kernel. With AVX-512 the wide one streams four vectors (256 bytes);
@@ -88,10 +88,9 @@ def choose_tiles(head_dim, dtype=np.float32, *, cache=None, head_dim_v=None):
       then re-used by as many rows as possible (one head's K and V at N = 4096, D = 128 are 4 MB,
       more than L2, so they stream from L3 or memory once per query tile).
 
-    Measured on the 2-core AMD EPYC (Zen 5, 48 KiB L1d, 1 MiB L2) test machine, B=1, H=8,
-    N=4096, float32 (`bench/sweep_tiles.py`): the speed rises with both block sizes up to about
-    384 x 256 and is flat beyond (D=128: 324 GFLOP/s at 256 x 64, 366 at 384 x 256, 371 at
-    512 x 256; D=64: 291, 330, 330); this model picks 384 x 256 there.
+    Measured with `bench/sweep_tiles.py` (B=1, H=8, N=4096, float32; docs/history.md, "Tiles
+    (Zen 5)"): the speed rises with both block sizes up to about 384 x 256 and is flat beyond,
+    and this model picks 384 x 256 for that machine's caches (48 KiB L1d, 1 MiB L2).
 
     A larger cache never gives smaller tiles. ``cache`` is a dict with keys ``"l1d"`` and ``"l2"``
     in bytes; None reads them from this machine (`cpu_info`).
@@ -332,9 +331,9 @@ def decode_plan(n_keys, n_items, n_threads, head_dim, dtype=np.float32, num_spli
 
     With ``num_splits=0`` the keys are split only when the items alone cannot keep every thread
     busy twice over, into ranges of at least `MIN_SPLIT_KEYS` keys, aiming at four items per
-    thread (measured: an MQA decode over 16384 keys on 2 threads took 1.70 ms in one split,
-    0.90 in 2, 0.82 in 4, 0.79 in 8); a given `num_splits` is
-    used as is (capped at one split per key block). `block_k` is `choose_tiles`' key block
+    thread (measured with an MQA decode over 16384 keys on 2 threads, which gained little
+    past four splits: docs/history.md, "Decoding"); a given `num_splits` is used as is
+    (capped at one split per key block). `block_k` is `choose_tiles`' key block
     (256 keys at D=128 in float32). 512-key blocks streamed a little faster, but broke the
     accuracy rule when every value row is the same: each block's P V sum is one chain of
     `block_k` terms (`tests/test_decoding.py` has the case).

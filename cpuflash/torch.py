@@ -86,7 +86,9 @@ def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, b
 def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias,
              mask, sinks, layout):
     """The forward's work, shared by the operator and the eager path: (out, lse) tensors."""
-    out = q.new_empty(tuple(q.shape)[:-1] + (v.shape[-1],))  # (torch.Size slices: 0.9 us)
+    # (a tuple: slicing a torch.Size costs more; measured: docs/history.md, "Zen 4 (2026-12-05):
+    # small calls")
+    out = q.new_empty(tuple(q.shape)[:-1] + (v.shape[-1],))
     _, lse = api.attention(
         _as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True, out=_as_numpy(out),
         **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
@@ -181,12 +183,14 @@ def _eager_function(name, forward, setup_context, backward):
     """A `torch.autograd.Function` that runs an operator's `forward` and `setup_context` (as
     registered with torch.library) and ``backward(ctx, *grads)``, for eager calls.
 
-    Outside the kernels, a forward and backward through the operators cost 930-970 us, and
-    630-670 this way (B16 H4 N64 D16 causal, the shape of a small model's layer, on 2 cores of
-    an AMD EPYC Zen 3; its kernels take about 460 and 860 us). Same functions, same bits; the
-    operators stay for `torch.compile`, `torch.export` and functorch's transforms.
+    At a small model's layer (B16 H4 N64 D16 causal) the operators' dispatch costs about as
+    much as the kernels, and this way costs a third less outside them (measured:
+    docs/history.md, "Zen 3 (2026-12-02): torch's operator dispatch"). Same functions, same
+    bits; the operators stay for `torch.compile`, `torch.export` and functorch's transforms.
     """
-    def run(ctx, *inputs):  # (`setup_context` in a staticmethod of its own cost 30 us more)
+    # (the `forward(ctx, ...)` form: `setup_context` as a staticmethod of its own costs more,
+    # measured there)
+    def run(ctx, *inputs):
         output = forward(*inputs)
         setup_context(ctx, inputs, output)
         return output
@@ -227,7 +231,9 @@ def _check_cpu(**tensors):
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch tensor, got {type(t).__name__}")
-        if not t.is_cpu:  # (`t.device` costs 0.3 us, a tenth of a small call's adapter)
+        # (`is_cpu`: `t.device` costs a noticeable share of a small call's adapter; measured:
+        # docs/history.md, "Zen 4 (2026-12-05): small calls")
+        if not t.is_cpu:
             raise ValueError(f"`{name}` is on device {t.device}, but cpuflash runs on the CPU "
                              f"only: pass CPU tensors (`{name}.cpu()`)")
 

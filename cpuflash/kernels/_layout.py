@@ -81,10 +81,10 @@ def kept_block(slots, head, row, first, end, key_align):
     """(s, held): the kept block (`tile_buffers`) for keys from `row` of `head` (b * heads +
     h), and whether it holds keys row + first .. row + end packed already; if not, `slots` marks
     it as holding them, and the caller packs them. The query tiles of one head, which a thread
-    runs in turn, read the same key blocks: packing them once instead of once per tile saved
-    2-3% of the float32 forward and 3-13% of the bfloat16 one on AMX tiles (Xeon). One block
-    per block start (`key_align`) in turn; ``slots[s]`` is (head, row, first, end) of what
-    block s holds."""
+    runs in turn, read the same key blocks: packing them once instead of once per tile made the
+    forward faster, the bfloat16 one on AMX tiles most (measured: docs/history.md, "bfloat16",
+    AMX tiles on the Xeon). One block per block start (`key_align`) in turn; ``slots[s]`` is
+    (head, row, first, end) of what block s holds."""
     s = (row // key_align) % slots.shape[0]
     held = (slots[s, 0] == head and slots[s, 1] == row and slots[s, 2] <= first
             and end <= slots[s, 3])
@@ -97,7 +97,8 @@ def kept_block(slots, head, row, first, end, key_align):
 def aligned_zeros(shape, dtype):
     """np.zeros(shape, dtype) from a 64-byte boundary: a cache line, an AVX-512 vector, an AMX
     tile row. Numba aligns arrays to 32 bytes, and half the time a row of 64 bytes then spans
-    two lines: AMX tile loads of such rows ran at a third of the speed (Intel Xeon)."""
+    two lines: AMX tile loads of such rows ran far slower (measured: docs/history.md,
+    "bfloat16", AMX tiles on the Xeon)."""
     n = 1
     for s in shape:
         n *= s

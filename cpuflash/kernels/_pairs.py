@@ -210,7 +210,8 @@ def _pack_row_pairs(v, b, h, start, cols, v_pairs):
 def folded_scale(scale):
     """What `pack_query_pairs` multiplies Q by on AMX tiles: `scale` where it is a power of two
     up to 1 (1/8 at D = 64, 1/16 at D = 256), so that ``Q K^T`` needs no scaling pass of its
-    own (`_tiles.qk_tiles`: 9% of the forward at D = 64, Xeon); else 1."""
+    own (`_tiles.qk_tiles`; measured: docs/history.md, "bfloat16", AMX tiles on the Xeon);
+    else 1."""
     if TILED and 0 < scale <= 1 and math.frexp(scale)[0] == 0.5:
         return scale
     return 1.0

@@ -89,9 +89,10 @@ def rows_at(tile, r):
 
     Row groups (``(groups, columns, ROWS)``, the forward's queries: `tile_buffers`) keep the
     ``ROWS`` elements broadcast for one column in one cache line; a plain ``(rows, columns)``
-    tile (the backward's Q and dO) is read ``ROWS`` rows apart. Measured on AVX2 (AMD Zen 3, one
-    core), a 6 x 16 micro-kernel ran at 71 GFLOP/s on rows and 81 on groups, against an FMA peak
-    of 91. P is not grouped: a scalar regrouping pass cost more than the P V step gained.
+    tile (the backward's Q and dO) is read ``ROWS`` rows apart. A 6 x 16 micro-kernel ran
+    closer to the FMA peak on groups than on rows. P is not grouped: a scalar regrouping pass
+    cost more than the P V step gained (both measured on AVX2: docs/history.md, "The forward on
+    AVX2 (AMD EPYC Zen 3)").
     """
 
 
@@ -432,7 +433,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off, 
     # Three loops over the rows: block maxes (into alpha), new maxes and alpha, then P and
     # the sums. Each row's work is a chain of dependent steps (the maxes' shuffle tree, the
     # exponential, the sum's tree); in short loops the core runs several rows' chains at once
-    # (a step 1.3x faster at 16-128 keys, Zen 4)
+    # (measured faster at 16-128 keys: docs/history.md, "Zen 4 (2026-12-05): small calls")
     for r in range(rows):
         for c in range(cols, width):
             scores[r, c] = -np.inf
@@ -474,9 +475,10 @@ def _max_span(scores, start, end):
     """The largest of scores[start:end] (whole vectors); -inf for none, NaN if one is NaN.
 
     Four running maxes: `vmax` is three dependent instructions (it keeps NaN), and one running
-    max over a row leaves the core waiting on that chain (the softmax step's maxes took 1.6x
-    as long, AVX2 build at D = 64 on Zen 4). A maximum is exact whatever the order, so the
-    value is the same as one running max's (only the sign of a zero maximum may differ).
+    max over a row leaves the core waiting on that chain (measured on the AVX2 build at
+    D = 64: docs/history.md, "The AVX2 build on Zen 4 (2026-12-05)"). A maximum is exact
+    whatever the order, so the value is the same as one running max's (only the sign of a zero
+    maximum may differ).
     """
     n = lanes(scores)
     t0 = t1 = t2 = t3 = vsplat(-np.inf, scores)
@@ -510,9 +512,10 @@ def _exp_span(scores, start, end, shift, inputs):
     """scores[start:end] = exp2((s - shift) * log2(e)) in place, whole vectors, and their sum.
 
     Four vectors at a time: the exponential is a chain of a dozen dependent instructions, and
-    four independent chains keep the FMA pipes busy where one leaves them waiting (the softmax
-    step ran 1.2x faster on AVX2, AMD Zen 3). The sum is kept in two partial sums, in an order
-    fixed by `start` and `end` alone (a row's columns, whatever tile the row is in).
+    four independent chains keep the FMA pipes busy where one leaves them waiting (measured on
+    AVX2: docs/history.md, "The forward on AVX2 (AMD EPYC Zen 3)"). The sum is kept in two
+    partial sums, in an order fixed by `start` and `end` alone (a row's columns, whatever tile
+    the row is in).
     """
     n = lanes(scores)
     shift_v, log2e = vsplat(shift, scores), vsplat(LOG2E, scores)
@@ -828,7 +831,8 @@ def hide_unseen(scores, seen, rows, cols, lo_off, hi_off):
 @jit
 def copy_rows(src, dst, rows):
     """dst[:rows] = src[:rows], vector by vector (two tiles of the same shape). A slice
-    assignment would compile Numba's shape-mismatch message, 5 s of string formatting."""
+    assignment would compile Numba's shape-mismatch message, seconds of string formatting in
+    a cold compile (docs/history.md, "Compile time")."""
     n = lanes(src)
     for o in range(0, rows * src.shape[1], n):
         vstore(dst, o, vload(src, o))

@@ -39,7 +39,8 @@ def qk_tiles(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
     """scores[:rows, :cols] = mult * (Q @ K^T); blocks of 32 x 32 that no row sees are
     skipped, their scores left for the band mask (as `_steps.qk_tile`). A `mult` of 1 (Q came
     scaled: `_pairs.folded_scale`) takes a build without the scaling: its mere presence, not
-    taken, cost 10% of the forward (D = 64, Xeon)."""
+    taken, slowed the forward measurably (docs/history.md, "bfloat16", AMX tiles on the
+    Xeon)."""
     if mult == 1.0:
         _qk_unscaled(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off)
     else:
@@ -80,8 +81,8 @@ _qk_scaled, _qk_unscaled = _qk_steps(True), _qk_steps(False)
 def _scale_block(scores, o, n_rows, width, mult):
     """scores[r, c] *= mult for the `n_rows` x `width` block at flat offset `o`, while the tiles
     just stored are in L1 (a pass of its own over the scores, after the products, reads them
-    back from L2: 10% of the non-product time, Zen 4). Columns no row sees are scaled too:
-    the band mask or the softmax overwrites them."""
+    back from L2; measured: docs/history.md, "bfloat16", AMX tiles written on a Zen 4). Columns
+    no row sees are scaled too: the band mask or the softmax overwrites them."""
     n = _simd.LANES_F32
     sw = scores.shape[1]
     m = vsplat(mult, scores)

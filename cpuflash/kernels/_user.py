@@ -127,9 +127,9 @@ def _generated(source, n_args, namespace, n_grads=0):
     the ``n_args`` arguments taken out of the tuple `args` once, before the loops (``{unpack}``),
     and ``n_grads`` of `grads` after them. Written out, not ``*args``: a call that spreads a
     tuple of arrays keeps each array's reference counting in the loop, and the loop is then
-    not vectorized (an ALiBi mod: 0.68 ns a score, 0.17 with the arguments spread before it).
-    The loops count from 0 for the same reason: LLVM left ``range(max(..), min(..))`` scalar
-    (0.77 ns a score, against 0.19 as ``for i in range(count): c = first + i``)."""
+    not vectorized. The loops count from 0 for the same reason: LLVM left
+    ``range(max(..), min(..))`` scalar, where ``for i in range(count): c = first + i``
+    vectorizes (measured: docs/history.md, "Your own functions (`flex_attention`)")."""
     names = [f"a{i}" for i in range(n_args)] + [f"g{i}" for i in range(n_grads)]
     sources = [f"args[{i}]" for i in range(n_args)] + [f"grads[{i}]" for i in range(n_grads)]
     unpack = f"{', '.join(names)}, = {', '.join(sources)}," if names else "pass"

@@ -51,15 +51,16 @@ def jit_borrowing(func, cache=_jit.CACHING):
     return _jit.without_literals(_jit.jit_borrowing(func, cache=cache))
 
 # how many key rows ahead `_stream_dot4` and `_stream_dot2` prefetch (16 rows of 128 float32:
-# 8 KiB; 32 and 64 read 0.97x as fast, prefetches to L2 only 0.94x)
+# 8 KiB; further ahead, or to L2 only, read slower: docs/history.md, "Decoding variants
+# measured and dropped")
 AHEAD = 16
 CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
-# What a parallel launch costs (1-1.5 us), in the kernel's work of one core: keys x query rows
+# What a parallel launch costs, in the kernel's work of one core: keys x query rows
 # x (D + Dv) multiply-adds. The items run on the calling thread alone unless the threads would
-# save more than that (the work of all but the largest chunk's items; measured on 2 threads,
-# 3 items break even at 300-600 thousand, 12 at ~300 thousand). Each item's arithmetic is the
-# same either way, so the results do not depend on it.
+# save more than that (the work of all but the largest chunk's items; chosen by measurement on
+# 2 threads: docs/history.md, "Per-call cost of decoding (Intel Xeon, 2026-12-01)"). Each
+# item's arithmetic is the same either way, so the results do not depend on it.
 SERIAL_WORK = 1 << 17
 
 # The helpers below only read and write arrays that their caller holds, so they are compiled
@@ -580,8 +581,9 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
     at a time, up to 16 independent FMA chains, each key vector loaded once for the rows and
     each query vector once for four keys, and one shared reduction tree for the sums. Rows past
     the count are skipped, not repeated (the branches are the same each step, and predicted):
-    a multi-head model's group of one row did four times the arithmetic it needs, which for an
-    int8 cache at D = 128 took 1.8 ms where its bytes take 0.6 (16384 keys, Zen 4)."""
+    a multi-head model's group of one row did four times the arithmetic it needs, which held
+    an int8 cache far above the time its bytes take (measured: docs/history.md, "8-bit caches
+    on Zen 4 (2026-12-04)")."""
     n, dp, sw = _layout.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     run_cols, starts, n_runs, step = runs
     later_starts, later_step = later_runs[1], later_runs[3]

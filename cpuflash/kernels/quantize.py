@@ -1,9 +1,9 @@
 """Rows of float32 numbers to int8 with a scale per row, compiled (`_quantize.quantize_rows`).
 
 A decoding step quantizes one token's keys and values, a few rows: numpy's dozen small
-operations took 11.5 us for a token of three heads (Zen 4), most of the cost of a cache layer's
-update in transformers; here each row is one pass. The rule is `quantize_rows`' own, with the
-same IEEE float32 divisions, so both give the same bits.
+operations were most of the cost of a cache layer's update in transformers (measured:
+docs/history.md, "Zen 4 (2026-12-05, third session)"); here each row is one pass. The rule is
+`quantize_rows`' own, with the same IEEE float32 divisions, so both give the same bits.
 """
 
 import numpy as np
@@ -35,7 +35,7 @@ def _signature(_):
 
 
 # No fastmath flags: with them the division becomes a multiply by the reciprocal and the
-# rounding to even a plain conversion. No compile notice: it compiles in 0.4 s (Zen 4), and the
-# one line a process gets belongs to the decoding kernel that a new token's quantization comes
-# before.
+# rounding to even a plain conversion. No compile notice: it compiles in a fraction of a second
+# (docs/history.md, "Compile time"), and the one line a process gets belongs to the decoding
+# kernel that a new token's quantization comes before.
 int8_rows = Kernel(_int8_rows, _signature, None, parallel=False, fastmath=False)
