@@ -65,24 +65,33 @@ def _normal(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
 
-def forward_cases(cf, rng, out):
+def _awkward(rng, dtype):
+    """q, k, v of awkward sizes (GQA 4:2, Nq != Nk, Dv != D) in `dtype`, and the options of
+    every modifier: {name: keywords}."""
     b, hq, hk, n_q, n_k, d, d_v = 2, 4, 2, 113, 127, 40, 24
+    q = _normal(rng, (b, hq, n_q, d), dtype)
+    k = _normal(rng, (b, hk, n_k, d), dtype)
+    v = _normal(rng, (b, hk, n_k, d_v), dtype)
     slopes = np.linspace(0.05, 0.4, hq).astype(np.float32)
+    bias = _normal(rng, (1, hq, n_q, n_k), np.float64 if dtype == np.float64 else np.float32)
+    mask = rng.random((b, 1, n_q, n_k)) > 0.2
+    sinks = np.linspace(-1, 1, hq).astype(np.float32)
+    options = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(17, 3)),
+               "everything": dict(causal=True, softcap=15.0, alibi_slopes=slopes, bias=bias,
+                                  mask=mask, sinks=sinks),
+               "softcap": dict(softcap=10.0), "alibi": dict(alibi_slopes=slopes),
+               "bias": dict(bias=bias), "mask": dict(mask=mask), "sinks": dict(sinks=sinks),
+               "scale": dict(scale=0.3, causal=True), "tiles": dict(tiles=(24, 32)),
+               "causal_window": dict(causal=True, window=(40, -1))}
+    return q, k, v, options
+
+
+def forward_cases(cf, rng, out):
     for name, dtype in _dtypes().items():
-        q = _normal(rng, (b, hq, n_q, d), dtype)
-        k = _normal(rng, (b, hk, n_k, d), dtype)
-        v = _normal(rng, (b, hk, n_k, d_v), dtype)
-        bias = _normal(rng, (1, hq, n_q, n_k), np.float64 if dtype == np.float64 else np.float32)
-        mask = rng.random((b, 1, n_q, n_k)) > 0.2
-        sinks = np.linspace(-1, 1, hq).astype(np.float32)
-        options = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(17, 3)),
-                   "causal_window": dict(causal=True, window=(40, -1)),
-                   "everything": dict(causal=True, softcap=15.0, alibi_slopes=slopes,
-                                      bias=bias, mask=mask, sinks=sinks)}
-        if name == "float32":
-            options.update(softcap=dict(softcap=10.0), alibi=dict(alibi_slopes=slopes),
-                           bias=dict(bias=bias), mask=dict(mask=mask), sinks=dict(sinks=sinks),
-                           scale=dict(scale=0.3, causal=True), tiles=dict(tiles=(24, 32)))
+        q, k, v, options = _awkward(rng, dtype)
+        if name != "float32":  # each modifier alone in float32, together in every dtype
+            options = {key: options[key] for key in
+                       ("plain", "causal", "window", "causal_window", "everything")}
         for option, kw in options.items():
             o, lse = cf.attention(q, k, v, return_lse=True, **kw)
             out[f"forward/{name}/{option}"], out[f"forward/{name}/{option}/lse"] = o, lse
@@ -148,19 +157,10 @@ def decode_cases(cf, rng, out):
 
 
 def backward_cases(cf, rng, out):
-    b, hq, hk, n_q, n_k, d, d_v = 2, 4, 2, 113, 127, 40, 24
-    slopes = np.linspace(0.05, 0.4, hq).astype(np.float32)
     for name, dtype in _dtypes().items():
-        q = _normal(rng, (b, hq, n_q, d), dtype)
-        k = _normal(rng, (b, hk, n_k, d), dtype)
-        v = _normal(rng, (b, hk, n_k, d_v), dtype)
-        bias = _normal(rng, (1, hq, n_q, n_k), np.float64 if dtype == np.float64 else np.float32)
-        mask = rng.random((b, 1, n_q, n_k)) > 0.2
-        sinks = np.linspace(-1, 1, hq).astype(np.float32)
-        options = {"plain": {}, "causal": dict(causal=True), "window": dict(window=(17, 3)),
-                   "everything": dict(causal=True, softcap=15.0, alibi_slopes=slopes,
-                                      bias=bias, mask=mask, sinks=sinks)}
-        for option, kw in options.items():
+        q, k, v, options = _awkward(rng, dtype)
+        for option in ("plain", "causal", "window", "everything"):
+            kw = options[option]
             o, lse = cf.attention(q, k, v, return_lse=True, **kw)
             dout = _normal(rng, o.shape, dtype)
             grads = cf.attention_backward(dout, q, k, v, o, lse, **kw)

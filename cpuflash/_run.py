@@ -8,7 +8,7 @@ reuse (`_plans`), writes new keys into a cache (`_kvcache`) and merges key split
 
 import numpy as np
 
-from . import _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
+from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode as decode_kernel, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
@@ -122,7 +122,7 @@ def forward_again(setup, q, k, v, out, return_lse):
         q, k, v, out_bhsd = q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), \
             out.swapaxes(1, 2)
     lse = np.empty(setup.lse_rows, dtype=setup.call.compute_dtype)
-    view = _validate.kernel_view
+    view = _call.kernel_view
     forward(setup.call, setup.seqs, (view(q), view(k), view(v), view(out_bhsd), lse),
                  setup)
     return (out, lse.reshape(setup.call.lse_shape)) if return_lse else out
@@ -357,7 +357,7 @@ def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=No
     if scales is not None:  # as `_validate.kvcache_args` hands them to the kernel
         q = np.asarray(q, dtype=np.float32)
         k, v = _validate.bits_view(k), _validate.bits_view(v)
-    elif setup.half_kind != _validate.NATIVE:
+    elif setup.half_kind != _call.NATIVE:
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
     decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows, scales)

@@ -8,7 +8,7 @@ the sinks' gradient and, for `flex_attention_backward`, the gradients of `score_
 import numba
 import numpy as np
 
-from . import _plans, _schedule, _simd, _threads, _validate, tiling
+from . import _call, _plans, _schedule, _simd, _threads, tiling
 from ._validate_gradients import GradientCall
 from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.backward import fa2_backward, fa2_backward_plain, score_arg_grads
@@ -72,7 +72,7 @@ def backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
     arrays = [q, k, v, dout, out] + user
     if setup.layout == "bshd":
         arrays = [x.swapaxes(1, 2) for x in arrays]
-    view = _validate.kernel_view
+    view = _call.kernel_view
     grads = GradientCall(
         dout=arrays[3], out=arrays[4], lse=np.ascontiguousarray(lse, dtype=call.compute_dtype),
         kernel=(view(arrays[5]), view(arrays[6]), view(arrays[7])), user=tuple(user),
@@ -117,8 +117,8 @@ def backward(call, grads, seqs, qkv=None, fused=None, plan=None):
     dq, dk, dv = grads.kernel
     dq_acc = np.empty((dq.shape[0] * dq.shape[1] * dq.shape[2] if fused else 0, acc_columns),
                       dtype=call.compute_dtype)
-    kernel(q, k, v, _validate.kernel_view(grads.out),
-           _validate.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
+    kernel(q, k, v, _call.kernel_view(grads.out),
+           _call.kernel_view(grads.dout), grads.lse, delta, dq, dk, dv, dq_acc, seqs,
            q_items, q_chunks, k_items, k_chunks, fused, tiles.block_q, tiles.block_k,
            call.half_kind, *pipeline)
     return delta
@@ -189,10 +189,10 @@ def score_arg_gradients(call, grads, seqs, delta, grad_fns, float_args):
     parts = tuple(np.zeros((n_slots,) + x.shape, dtype=call.compute_dtype) for x in float_args)
     if len(items):
         kernel = score_arg_grads.specialize(
-            (call.q.dtype, call.compute_dtype, _validate.user_types(call.user),
+            (call.q.dtype, call.compute_dtype, _call.user_types(call.user),
              numba.typeof(grad_fns),
              numba.typeof(parts)))
-        kernel(call.q, call.k, call.v, _validate.kernel_view(grads.dout), grads.lse, delta,
+        kernel(call.q, call.k, call.v, _call.kernel_view(grads.dout), grads.lse, delta,
                seqs, items, slot_ptr, tiles.block_q, tiles.block_k, call.half_kind,
                *call.kernel_pipeline(), grad_fns, parts)
     return tuple(part.sum(axis=0) for part in parts)

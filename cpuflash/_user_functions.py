@@ -23,7 +23,7 @@ import numpy as np
 from numba import types
 from numba.core.registry import CPUDispatcher
 
-from . import _validate, tiling
+from . import _call, _validate, tiling
 from .kernels import _user
 
 _lock = threading.Lock()
@@ -254,7 +254,7 @@ def args_value(name, args):
             values.append(x)
             continue
         x = _validate.as_array(f"{name}[{i}]", x)  # a torch tensor, a list
-        if x.dtype == np.float16 or _validate._is_bfloat16(x.dtype):
+        if x.dtype == np.float16 or _call._is_bfloat16(x.dtype):
             x = x.astype(np.float32)  # read widened, as the kernels read such q, k, v
         if x.dtype.kind not in "biuf":
             _fail(TypeError, f"`{name}[{i}]` must be a bool, integer or float array, got "
@@ -337,7 +337,7 @@ def with_user_functions(call, score_mod, score_args, mask_mod, mask_args, block_
     `positions`: the functions see a query's position in its sequence (a KV cache's queries),
     not its row in the call."""
     score_args = args_value("score_args", score_args)
-    states = _validate.NO_USER_FUNCTIONS.block_states
+    states = _call.NO_USER_FUNCTIONS.block_states
     block = (1, 1)
     tiles = call.tiles
     if block_mask is not None:
@@ -368,7 +368,7 @@ def with_user_functions(call, score_mod, score_args, mask_mod, mask_args, block_
     fns = functions_of(score_mod, mask_mod, score_args, mask_args, call.compute_dtype)
     if fns is _user.NONE:
         return call
-    user = _validate.UserFunctions(
+    user = _call.UserFunctions(
         functions=fns, score_args=_user.with_end(score_args), mask_args=_user.with_end(mask_args),
         block_states=states, block_q=block[0], block_k=block[1], positions=positions)
     return dataclasses.replace(call, user=user, tiles=tiles)

@@ -10,33 +10,16 @@ any strides in float32, float64 or uint16 (the bits of float16/bfloat16, widened
 kernel tile by tile), which keeps one compiled kernel per dtype.
 """
 
-import collections
-import copy
-import dataclasses
-import difflib
-import functools
-import inspect
 import math
 import numbers
 import sys
 import warnings
 
-import numba
 import numpy as np
 
-from . import _threads
+from ._call import AttentionCall, _is_bfloat16, compute_dtype, kernel_view
 from ._quantize import QUANT_MAX, QuantizedKV, format_name
-from .kernels import _user
-from .kernels._pipeline import Pipeline, kernel_args
-from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
 from .tiling import TileConfig
-
-# How the kernels read an input (`half_kind`): natively, or as the uint16 bits of float16 or
-# bfloat16, or (a quantized cache) as int8 or the uint8 bits of float8_e4m3fn, whose codes the
-# kernels define.
-NATIVE = 0
-assert NATIVE not in (FLOAT16, BFLOAT16), "NATIVE must differ from the kernels' half kinds"
-QUANT_KINDS = {"int8": INT8, "float8_e4m3": FLOAT8_E4M3}
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -68,11 +51,6 @@ def _caller_level():
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _is_bfloat16(dtype):
-    # ml_dtypes' bfloat16 is a void-kind dtype; the kind test spares the (slow) name lookup
-    return dtype.kind == "V" and dtype.name == "bfloat16"
 
 
 def as_array(name, x):
@@ -128,26 +106,6 @@ def input_dtype(q, k, v, names=("q", "k", "v")):
     if dtype not in (np.float32, np.float64, np.float16) and not _is_bfloat16(dtype):
         _fail(TypeError, f"{what} must be float32, float64, float16 or bfloat16, got {dtype}")
     return dtype
-
-
-def compute_dtype(dtype):
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-
-
-def kernel_view(x):
-    """The array the kernels read: uint16 bits for half precision, aligned memory."""
-    if x.dtype == np.float16 or _is_bfloat16(x.dtype):
-        x = x.view(np.uint16)
-    if not x.flags.aligned:
-        x = x.copy()
-    return x
-
-
-def half_kind(dtype):
-    """How the kernels read arrays of `dtype`: NATIVE, FLOAT16 or BFLOAT16."""
-    if dtype == np.float16:
-        return FLOAT16
-    return BFLOAT16 if _is_bfloat16(dtype) else NATIVE
 
 
 def reshaped_view(x, shape):
@@ -293,163 +251,6 @@ def sinks_value(sinks, n_heads, dtype):
     sinks = float_operand("sinks", sinks, dtype)
     exact_shape("sinks", sinks, [(n_heads,)])
     return sinks
-
-
-# the caller's own functions (`cpuflash.flex`): the fields of the pipeline's score_mod and
-# visibility steps that they fill (`kernels._pipeline.STEPS` says what each holds)
-UserFunctions = collections.namedtuple(
-    "UserFunctions", "functions score_args mask_args block_states block_q block_k positions")
-NO_USER_FUNCTIONS = UserFunctions(_user.NONE, _user.with_end(()), _user.with_end(()),
-                                  np.zeros((0, 0, 0, 0), dtype=np.int8), 1, 1, False)
-
-
-def user_types(user):
-    """The Numba types of the user's functions and of their argument tuples: what a kernel is
-    specialized by besides its dtypes (`_pipeline.pipeline_type`)."""
-    return tuple(numba.typeof(x) for x in (user.functions, user.score_args, user.mask_args))
-
-
-_NO_USER_TYPES = user_types(NO_USER_FUNCTIONS)
-
-
-@dataclasses.dataclass(slots=True, kw_only=True, eq=False, frozen=True)
-class AttentionCall:
-    """One validated call: its arrays as the kernels read them, and how to hand back the result.
-
-    `attention_args`, `varlen_args` and `kvcache_args` build it, `_user_functions` a copy with
-    the user's functions; `__post_init__` derives the fields marked "derived". Frozen: what
-    runs a call (`_run`, `_run_backward`) reads it and never changes it. The kernels read 4-D
-    ``(batch, heads, rows, dim)`` arrays of any strides, float16 and bfloat16 as their uint16
-    bits.
-    """
-
-    # -- inputs, as the kernels read them
-    q: np.ndarray  # (batch, Hq, Nq, D)
-    k: np.ndarray  # (batch, Hk, Nk, D); with a KV cache: its pages (see `_kvcache`)
-    v: np.ndarray  # (batch, Hk, Nk, Dv), like `k`
-    dtype: np.dtype  # of the inputs and of the result
-    compute_dtype: np.dtype = dataclasses.field(init=False)  # derived: float64 or float32
-    half_kind: int = dataclasses.field(init=False)  # derived: NATIVE, FLOAT16 or BFLOAT16
-
-    # -- sizes
-    batch: int  # batch entries (packed sequences: how many sequences)
-    n_heads: int
-    n_kv_heads: int
-    n_q: int  # query rows of each batch entry (packed: of all sequences)
-    n_k: int  # key rows of each batch entry (packed: of all; cache: the most of any entry)
-    head_dim: int
-    head_dim_v: int
-
-    # -- score modifiers, in the order of the score pipeline
-    qk_scale: float
-    softcap: float  # 0 = off
-    alibi: np.ndarray  # (batch, Hq) slopes in the compute dtype; (batch, 0) without
-    bias: np.ndarray = None  # (Bx, Hq, Nq, Nk), broadcast, never expanded; derived: size 0
-    bias_map: np.ndarray = None  # (batch,) the row of `bias` each batch entry reads
-    causal: bool
-    window: tuple  # (left, right), -1 = unbounded; `causal` made right 0
-    mask: np.ndarray = None  # bool, like `bias`
-    mask_map: np.ndarray = None
-    sinks: np.ndarray = None  # (Hq,) in the compute dtype; derived: size 0 without
-    user: tuple = None  # the caller's own functions (`cpuflash.flex`); derived: none
-    tiles: TileConfig | None = None  # the caller's tiles; None = chosen for this machine
-
-    # -- output
-    out_user: np.ndarray  # the result, in the caller's shape and dtype
-    out_bhsd: np.ndarray  # a (batch, Hq, Nq, Dv) view of `out_user`
-    out_kernel: np.ndarray = dataclasses.field(init=False)  # derived: `out_bhsd` for kernels
-    copy_back: np.ndarray | None = None  # the caller's `out`, when `out_user` stands in for it
-    lse: np.ndarray = dataclasses.field(init=False)  # derived: (q's first 3 axes) compute dtype
-    lse_shape: tuple  # the shape the caller gets `lse` in
-
-    # -- packed sequences (`varlen_args`): sequence b is rows cu[b]:cu[b + 1], int64
-    cu_q: np.ndarray | None = None
-    cu_k: np.ndarray | None = None
-
-    # -- KV cache (`kvcache_args`); where each position lives: see `_kvcache`
-    k_cache: np.ndarray | None = None  # (pages, Hk, page_rows, D), the caller's dtype, written
-    v_cache: np.ndarray | None = None
-    quantized: str | None = None  # a quantized cache's format ("int8", "float8_e4m3"), or None
-    k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows) float32 scales, written
-    v_scale: np.ndarray | None = None
-    new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`
-    new_v: np.ndarray | None = None
-    block_table: np.ndarray | None = None  # (batch, max_pages) int64
-    page_rows: int = 0
-    paged: bool = False  # the caller gave a block table
-    seqlens: np.ndarray | None = None  # (batch,) int64 filled positions, before the new keys
-    n_keys: np.ndarray | None = None  # (batch,) int64 keys attended to: seqlens + Nnew
-    num_splits: int = 0  # 0 = automatic
-
-    def __post_init__(self):
-        derive = functools.partial(object.__setattr__, self)  # (a frozen instance's fields)
-        cdtype = compute_dtype(self.dtype)
-        derive("compute_dtype", cdtype)
-        derive("half_kind", half_kind(self.dtype) if self.quantized is None
-               else QUANT_KINDS[self.quantized])
-        derive("lse", np.empty(self.q.shape[:3], dtype=cdtype))
-        derive("out_kernel", kernel_view(self.out_bhsd))
-        no_batch = np.zeros(self.batch, dtype=np.int64)
-        if self.bias is None:  # size 0: the kernels skip it
-            derive("bias", np.zeros((0, 0, 0, 0), dtype=cdtype))
-            derive("bias_map", no_batch)
-        if self.mask is None:
-            derive("mask", np.zeros((0, 0, 0, 0), dtype=np.bool_))
-            derive("mask_map", no_batch)
-        if self.sinks is None:
-            derive("sinks", np.zeros(0, dtype=cdtype))
-        if self.user is None:
-            derive("user", NO_USER_FUNCTIONS)
-
-    def pipeline(self):
-        """The score pipeline as the kernels take it (`kernels._pipeline.Pipeline`)."""
-        left, right = self.window
-        return Pipeline(scale=float(self.qk_scale), softcap=float(self.softcap),
-                        alibi=self.alibi, bias=self.bias, bias_map=self.bias_map,
-                        left=left, right=right, mask=self.mask, mask_map=self.mask_map,
-                        sinks=self.sinks, **self.user._asdict())
-
-    def kernel_pipeline(self):
-        """The score pipeline as the kernels' last arguments take it (`_pipeline.kernel_args`)."""
-        return kernel_args(self.pipeline())
-
-    def plain(self):
-        """Whether the call has no modifier but a causal mask or a window: its kernels are then
-        builds compiled without the others' steps (`kernels.forward.PLAIN`)."""
-        return (self.softcap == 0 and self.alibi.shape[1] == 0 and self.bias.shape[0] == 0
-                and self.mask.shape[0] == 0 and self.sinks.shape[0] == 0
-                and self.user is NO_USER_FUNCTIONS)
-
-    def without_arrays(self):
-        """A copy that keeps none of the caller's arrays, for a stored plan (`_plans`): what a
-        later call with the same key needs besides its own arrays. The kernels' key reads q's
-        dtype, from an empty array; the empty operands of a call without modifiers, shared by
-        every such call, are made read-only."""
-        kept = copy.copy(self)
-        strip = functools.partial(object.__setattr__, kept)  # (a frozen copy's fields)
-        strip("q", np.empty((0, 0, 0, 0), dtype=self.q.dtype))
-        for name in ("k", "v", "out_user", "out_bhsd", "out_kernel", "lse"):
-            strip(name, None)
-        for array in (self.alibi, self.bias, self.bias_map, self.mask, self.mask_map,
-                      self.sinks):
-            array.flags.writeable = False
-        return kept
-
-    def kernel_key(self):
-        """The key the FA-2 kernels are specialized by: dtypes, and the user's functions."""
-        user = _NO_USER_TYPES if self.user is NO_USER_FUNCTIONS else user_types(self.user)
-        return self.q.dtype, self.compute_dtype, user
-
-    def result(self, return_lse):
-        """What the public function returns: ``out``, or ``(out, lse)``."""
-        if self.copy_back is not None:
-            np.copyto(self.copy_back, self.out_user)
-            out = self.copy_back
-        else:
-            out = self.out_user
-        if not return_lse:
-            return out
-        return out, self.lse.reshape(self.lse_shape)
 
 
 # -- steps every builder takes: arrays, dtypes, layout, flags, shapes, then these scalars. Each
@@ -868,152 +669,3 @@ def stacked(name, parts):
         _fail(ValueError, f"the parts of `{name}` must share one shape, got "
                           f"{sorted(shapes)}")
     return np.stack(parts)
-
-
-# -- errors at the public boundary: Python's own, made helpful
-
-# Keywords of flash-attn, torch's scaled_dot_product_attention and kernels like them, as
-# (cpuflash's keywords that do the job, what to tell the user). The text is used when the function
-# has one of those keywords, or always when there are none (cpuflash does the job differently).
-FOREIGN_KEYWORDS = {
-    "softmax_scale": (("scale",), "flash-attn's `softmax_scale` is `scale` in cpuflash"),
-    "sm_scale": (("scale",), "`sm_scale` is `scale` in cpuflash"),
-    "scaling": (("scale",), "`scaling` is `scale` in cpuflash"),
-    "window_size": (("window",), "flash-attn's `window_size` is `window` in cpuflash (the same "
-                                 "(left, right) pair, -1 = unbounded)"),
-    "is_causal": (("causal",), "torch's `is_causal` is `causal` in cpuflash, and cpuflash aligns "
-                               "the diagonal bottom-right as flash-attn does (torch aligns it "
-                               "top-left; the two agree only when Nq == Nk)"),
-    "attn_mask": (("mask", "bias"), "torch's `attn_mask` is `mask` in cpuflash when boolean "
-                                    "(True = the key takes part, as in torch) and `bias` when "
-                                    "float (added to the scores)"),
-    "return_softmax_lse": (("return_lse",), "flash-attn's `return_softmax_lse` is `return_lse` "
-                                            "in cpuflash"),
-    "logits_soft_cap": (("softcap",), "`logits_soft_cap` is `softcap` in cpuflash"),
-    "block_tables": (("block_table",), "`block_tables` is `block_table` in cpuflash"),
-    "seqlens_k": (("cache_seqlens",), "`seqlens_k` is `cache_seqlens` in cpuflash (the filled "
-                                      "length of each batch entry's cache)"),
-    "cu_seqlens": (("cu_seqlens_q",), "cpuflash takes `cu_seqlens_q` and `cu_seqlens_k` (the "
-                                      "same array twice for self-attention)"),
-    "query": (("q",), "torch's `query` is `q` in cpuflash"),
-    "key": (("k",), "torch's `key` is `k` in cpuflash"),
-    "value": (("v",), "torch's `value` is `v` in cpuflash"),
-    "s_aux": (("sinks",), "`s_aux` (gpt-oss's attention sinks) is `sinks` in cpuflash"),
-    "dropout_p": ((), "cpuflash has no attention dropout: leave `dropout_p` out"),
-    "dropout": ((), "cpuflash has no attention dropout: leave `dropout` out"),
-    "return_attn_probs": (("return_lse",), "cpuflash never forms the attention probabilities "
-                                           "(no Nq x Nk matrix exists); `return_lse=True` returns "
-                                           "each row's log-sum-exp"),
-    "return_softmax": (("return_lse",), "cpuflash never forms the attention probabilities (no "
-                                        "Nq x Nk matrix exists); `return_lse=True` returns each "
-                                        "row's log-sum-exp"),
-    "deterministic": ((), "cpuflash is always deterministic (bitwise identical results whatever "
-                          "the thread count): leave `deterministic` out"),
-    "enable_gqa": ((), "GQA is automatic in cpuflash whenever Hq is a multiple of Hk (query head "
-                       "h reads key/value head h // (Hq // Hk)): leave `enable_gqa` out"),
-    "max_seqlen_q": (("cu_seqlens_q",), "cpuflash reads the lengths from `cu_seqlens_q`: leave "
-                                        "`max_seqlen_q` out"),
-    "max_seqlen_k": (("cu_seqlens_k",), "cpuflash reads the lengths from `cu_seqlens_k`: leave "
-                                        "`max_seqlen_k` out"),
-    "rotary_cos": ((), "cpuflash applies no rotary embedding: rotate `q` and `k` before the call"),
-    "rotary_sin": ((), "cpuflash applies no rotary embedding: rotate `q` and `k` before the call"),
-    "rotary_interleaved": ((), "cpuflash applies no rotary embedding: rotate `q` and `k` before "
-                               "the call"),
-}
-
-# the keywords of each public function, filled in by `public`
-PUBLIC_KEYWORDS = {}
-
-
-def public(validate=None):
-    """Decorate a public function so that the errors Python raises at its boundary help.
-
-    An unknown keyword (Python's bare "unexpected keyword argument") gets cpuflash's name for it,
-    or what cpuflash does instead, or the closest valid keyword. With `validate` (the function's
-    argument check, taking the same arguments), a ValueError for 4-D arrays under the default
-    layout gets a hint when the arrays pass as flash-attn's ``(batch, seqlen, heads, dim)``.
-    Valid calls pay one Python call and a ``try``; the work is done only on the error paths.
-    """
-    def decorate(function):
-        keywords = tuple(name for name, p in inspect.signature(function).parameters.items()
-                         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-        PUBLIC_KEYWORDS[function.__name__] = keywords
-
-        @functools.wraps(function)
-        def checked(*args, **kwargs):
-            if not _threads.SETTLED:
-                _threads.settle_layer()
-            try:
-                return function(*args, **kwargs)
-            except TypeError as exc:
-                # a TypeError whose traceback ends in this frame came from binding the
-                # arguments, before the function ran
-                if exc.__traceback__.tb_next is None:
-                    message = unknown_keywords(function.__name__, kwargs)
-                    if message:
-                        _fail(TypeError, message)
-                raise
-            except ValueError as exc:
-                if validate is not None:
-                    hint = layout_hint(function, validate, args, kwargs)
-                    if hint:
-                        _fail(ValueError, f"{exc}{hint}")
-                raise
-        return checked
-    return decorate
-
-
-def unknown_keywords(function_name, kwargs):
-    """What to say about the keywords in `kwargs` that `function_name` lacks ("" if none)."""
-    keywords = PUBLIC_KEYWORDS[function_name]
-    messages = []
-    for name in kwargs:
-        if name in keywords:
-            continue
-        message = f"cpuflash.{function_name}() got an unexpected keyword argument '{name}'"
-        targets, text = FOREIGN_KEYWORDS.get(name, ((), ""))
-        if text and (not targets or any(t in keywords for t in targets)):
-            message += f": {text}"
-        else:  # where the keyword (or cpuflash's name for it) lives, or the closest one here
-            wanted = targets or (name,)
-            elsewhere = [f"cpuflash.{other}" for other, theirs in PUBLIC_KEYWORDS.items()
-                         if other != function_name and any(w in theirs for w in wanted)]
-            close = difflib.get_close_matches(name, keywords, n=1)
-            if elsewhere:
-                what = " or ".join(f"`{w}`" for w in wanted)
-                what = f"cpuflash's {what} for it" if targets else what
-                message += f": {what} is a keyword of {' and '.join(elsewhere)}"
-            elif close:
-                message += f": did you mean `{close[0]}`?"
-            message += f" (the keywords of cpuflash.{function_name}: {', '.join(keywords)})"
-        messages.append(message)
-    return "; ".join(messages)
-
-
-def layout_hint(function, validate, args, kwargs):
-    """A hint to pass ``layout="bshd"`` when the call fails as "bhsd" but passes as "bshd"."""
-    try:
-        bound = inspect.signature(function).bind(*args, **kwargs)
-    except TypeError:
-        return ""
-    bound.apply_defaults()
-    arguments = bound.arguments
-    arrays = list(arguments.values())[:3]  # q, k, v (or q, k_cache, v_cache)
-    four_d = all(len(getattr(x, "shape", ())) == 4 for x in arrays)
-    if arguments.get("layout") != "bhsd" or not four_d:
-        return ""
-
-    taken = inspect.signature(validate).parameters  # (the user's functions are checked later)
-    arguments = {name: value for name, value in arguments.items() if name in taken}
-
-    def passes(layout):
-        try:
-            validate(**dict(arguments, layout=layout))  # checks only: nothing is written
-        except (TypeError, ValueError):
-            return False
-        return True
-
-    if passes("bhsd") or not passes("bshd"):
-        return ""
-    return ("; if these are flash-attn's (batch, seqlen, heads, dim) arrays, pass "
-            "`layout=\"bshd\"` (the default, \"bhsd\", reads (batch, heads, seqlen, dim))")

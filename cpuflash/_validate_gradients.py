@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _validate
+from . import _call, _validate
 
 
 @dataclasses.dataclass(slots=True, kw_only=True, eq=False)
@@ -80,7 +80,7 @@ def gradient_args(call, qkv, dout, out, lse, dq, dk, dv, layout):
         if view is None:  # strides that cannot be flattened: write a copy, then copy it over
             target, x = x if target is None else target, np.empty(like.shape, dtype=dtype)
             view = _validate.reshaped_view(_heads_first(x, layout), shape4)
-        kernel.append(_validate.kernel_view(view))
+        kernel.append(_call.kernel_view(view))
         user.append(x)
         copy_back.append(target)
 

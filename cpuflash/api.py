@@ -1,9 +1,10 @@
 """Public entry points: argument handling and docstrings; `_run` runs the validated calls."""
 
-from . import _backward, _combine, _quantize, _run, _schedule, _user_functions, _validate
+from . import (_backward, _combine, _public, _quantize, _run, _schedule, _user_functions,
+               _validate)
 
 
-@_validate.public(_validate.attention_args)
+@_public.public(_validate.attention_args)
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
               bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False, out=None,
               tiles=None):
@@ -94,7 +95,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     return _run.attention(call, layout, key, out is not None, return_lse)
 
 
-@_validate.public()
+@_public.public()
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                      window=None, softcap=0.0, alibi_slopes=None, return_lse=False):
     """Attention over a batch of packed sequences of different lengths (flash-attn's "thd").
@@ -129,7 +130,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     return call.result(return_lse)
 
 
-@_validate.public(_validate.kvcache_args)
+@_public.public(_validate.kvcache_args)
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
                            causal=True, scale=None, window=None, softcap=0.0,
                            alibi_slopes=None, sinks=None, block_table=None, layout="bhsd",
@@ -220,7 +221,7 @@ def _nothing(args):
     return isinstance(args, (tuple, list)) and not args
 
 
-@_validate.public()
+@_public.public()
 def merge_states(outs, lses):
     """Exact merge of partial attention results over disjoint sets of keys.
 
@@ -244,7 +245,7 @@ def merge_states(outs, lses):
 QuantizedKV = _quantize.QuantizedKV
 
 
-@_validate.public()
+@_public.public()
 def quantize_kv(x, dtype="int8"):
     """Quantize keys or values for an 8-bit KV cache: one symmetric scale per row.
 
@@ -270,7 +271,7 @@ def quantize_kv(x, dtype="int8"):
     return QuantizedKV(*_quantize.quantize_rows(x, name))
 
 
-@_validate.public()
+@_public.public()
 def dequantize_kv(kq):
     """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row).
 
@@ -288,5 +289,5 @@ def dequantize_kv(kq):
 
 
 # the gradients: `_backward` holds their argument handling and docstrings
-attention_backward = _validate.public()(_backward.attention_backward)
-attention_varlen_backward = _validate.public()(_backward.attention_varlen_backward)
+attention_backward = _public.public()(_backward.attention_backward)
+attention_varlen_backward = _public.public()(_backward.attention_varlen_backward)

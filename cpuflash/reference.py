@@ -150,12 +150,12 @@ def attention_fa1(q, k, v, *, causal=False, scale=None, tiles=None):
     parallelism that FA-2 removes. Same arguments, shapes and result as `cpuflash.attention`
     (``layout="bhsd"``, float32/float64); kept for the benchmarks, not for use.
     """
-    from . import _validate
+    from . import _call, _validate
     from .kernels.fa1 import fa1_forward
     from .tiling import choose_tiles
 
     call = _validate.attention_args(q, k, v, causal=causal, scale=scale, tiles=tiles)
-    if call.half_kind != _validate.NATIVE:
+    if call.half_kind != _call.NATIVE:
         raise TypeError(f"attention_fa1 takes float32 or float64, got {call.dtype}")
     tiles = call.tiles or choose_tiles(call.head_dim, call.compute_dtype)
     if call.n_q and call.n_k == 0:

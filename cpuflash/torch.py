@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _extras, _validate, api, flex
+from . import _call, _extras, api, flex
 
 try:
     import torch
@@ -55,7 +55,7 @@ def _as_numpy(t):
 
 def _as_tensor(a):
     """A CPU tensor sharing the memory of the numpy array `a` (the inverse of `_as_numpy`)."""
-    if _validate._is_bfloat16(a.dtype):  # ml_dtypes' type: hand torch the bits
+    if _call._is_bfloat16(a.dtype):  # ml_dtypes' type: hand torch the bits
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
@@ -469,7 +469,7 @@ class _FlexCall:
         # dscore_args from cpuflash holds one array per float array of score_args, in order
         self.float_slots = [i for i, x in enumerate(self.keywords["score_args"])
                             if isinstance(x, np.ndarray) and (x.dtype.kind == "f" or
-                                                              _validate._is_bfloat16(x.dtype))]
+                                                              _call._is_bfloat16(x.dtype))]
 
 
 class _FlexFunction(torch.autograd.Function):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cpuflash
-from cpuflash import _validate
+from cpuflash import _public
 
 f32 = np.float32
 LAYOUT_HINT = r"pass `layout=\"bshd\"`"
@@ -171,7 +171,7 @@ def test_foreign_keyword_per_function(rng, name, keyword, match):
 
 def test_every_foreign_keyword_gets_a_message_on_every_function(rng):
     for function, args in call_args(rng).items():
-        for keyword in _validate.FOREIGN_KEYWORDS:
+        for keyword in _public.FOREIGN_KEYWORDS:
             if keyword in inspect.signature(function).parameters:
                 continue  # e.g. attention's own `k`
             with pytest.raises(TypeError, match=rf"unexpected keyword argument '{keyword}'"):

@@ -555,7 +555,7 @@ def test_kv_cache_calls_see_positions(rng, n_new, paged):
 def test_decoding_runs_the_functions_in_the_split_kv_kernel_with_every_modifier(rng, fmt):
     """One query row per head goes to the split-KV decode kernel, which applies the functions
     after softcap and ALiBi and within the window, on float and 8-bit caches, in splits."""
-    from cpuflash import _validate
+    from cpuflash import _call
     from cpuflash.kernels.decode import decode
 
     b, hq, hk, n_max, d = 2, 6, 2, 300, 32
@@ -575,7 +575,7 @@ def test_decoding_runs_the_functions_in_the_split_kv_kernel_with_every_modifier(
     out = cpuflash.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3, score_mod=rel_bias,
         score_args=(table,), mask_mod=same_doc, mask_args=(doc,), **builtin)
-    assert any(key[3] is not _validate._NO_USER_TYPES for key in decode._calls)
+    assert any(key[3] is not _call._NO_USER_TYPES for key in decode._calls)
     for e in range(b):
         n_k = seqlens[e]
         qi, ki = np.array([[n_k - 1]]), np.arange(n_k)[None, :]

@@ -5,11 +5,11 @@ and used for a handful of dot products. So the kernel packs nothing: it reads th
 key block in place from their pages (float16/bfloat16 bits widened as they are loaded, so half
 the bytes), and serves every query head of a GQA group (``Hq // Hk`` heads x ``Nq`` rows) from
 that one read, in register-blocked micro-kernels. Streaming from memory goes fastest when each
-row is read once, front to back (docs/history.md, "What caps decoding"), so for up to four rows and a head
-dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, Q K^T takes all the rows
-in one pass over the keys, prefetching the key rows ahead, and P V two rows at a time (four
-rows' accumulators would need all 32 vector registers); otherwise four query rows at a time,
-prefetching the other stream.
+row is read once, front to back (docs/history.md, "What caps decoding"), so for up to four rows
+and a head dim of eight vectors (128 float32 lanes with AVX-512) in a float cache, Q K^T takes
+all the rows in one pass over the keys, prefetching the key rows ahead, and P V two rows at a
+time (four rows' accumulators would need all 32 vector registers); otherwise four query rows at
+a time, prefetching the other stream.
 Rows that are not whole SIMD vectors (a head dim that is no multiple of the vector width, or
 strided rows) go through a widened copy of the block instead.
 
