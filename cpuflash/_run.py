@@ -195,7 +195,10 @@ class Decode:
         self.batch, self.n_heads, self.n_kv_heads = call.batch, call.n_heads, call.n_kv_heads
         self.n_q, self.head_dim, self.head_dim_v = call.n_q, call.head_dim, call.head_dim_v
         self.half_kind = call.half_kind
-        self.pipeline, self.user_types = call.kernel_pipeline(), call.kernel_key()[2]
+        # the score pipeline as the kernel takes it (`_pipeline.kernel_args`), apart: spreading
+        # a tuple into the call would cost a short call more than these three reads
+        self.flat, self.score_args, self.mask_args = call.kernel_pipeline()
+        self.user_types = call.kernel_key()[2]
         self.kernel = decode_plain if call.plain() else decode_kernel  # (`kernels.decode.PLAIN`)
         # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
         # microsecond of a short call)
@@ -226,9 +229,9 @@ class Decode:
     def frozen(self):
         """This setup with its arrays read-only, and the lengths of a full cache, to share."""
         self.full_keys = np.full(self.batch, self.n_max, dtype=np.int64)
-        pipeline = self.pipeline[0]
-        for array in (self.block_table, self.full_keys, pipeline.alibi, pipeline.bias,
-                      pipeline.bias_map, pipeline.mask, pipeline.mask_map, pipeline.sinks):
+        flat = self.flat
+        for array in (self.block_table, self.full_keys, flat.alibi, flat.bias, flat.bias_map,
+                      flat.mask, flat.mask_map, flat.sinks):
             array.flags.writeable = False
         return self
 
@@ -393,7 +396,8 @@ def decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, sinks, page_rows=None, sc
         kernel = setup.compiled = setup.kernel.specialize((k.dtype, setup.compute_dtype,
                                                            q.dtype, setup.user_types))
     kernel(q, k, v, k_scale, v_scale, setup.block_table, page_rows, n_keys, plan.split_len,
-           plan.block_k, setup.half_kind, *setup.pipeline, part_out, part_lse, n_threads)
+           plan.block_k, setup.half_kind, setup.flat, setup.score_args, setup.mask_args,
+           part_out, part_lse, n_threads)
     if plan.n_splits > 1:
         out = out_bhsd if direct else np.empty(part_out.shape[1:], dtype=setup.compute_dtype)
         _combine.merge_into(part_out, part_lse, out, lse)

@@ -498,7 +498,7 @@ def test_stored_plans_are_read_only_and_bounded(rng):
     q, k, v = decode_inputs(rng)
     cpuflash.attention_with_kvcache(q, k, v)
     (setup,) = _plans._entries.values()
-    flat = setup.pipeline[0]  # the pipeline's arrays (`_pipeline.kernel_args`)
+    flat = setup.flat  # the pipeline's arrays (`_pipeline.kernel_args`)
     for array in (setup.block_table, setup.full_keys, flat.alibi, flat.bias, flat.bias_map,
                   flat.mask, flat.mask_map, flat.sinks):
         assert not array.flags.writeable
