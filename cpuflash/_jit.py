@@ -383,8 +383,8 @@ class Kernel:
         if _threads.FORKED_AFTER_OPENMP and self._parallel:
             return self._one_thread().specialize(key)
         # Hashing a key that holds a Numba type (the user's functions' type) costs a noticeable
-        # share of a short decoding call (docs/history.md, "Zen 4 (2026-12-02): Numba's
-        # dispatcher"); the objects of a key are mostly the very same from call to call
+        # share of a short decoding call (docs/history.md, "Per-call cost", Numba's
+        # dispatcher); the objects of a key are mostly the very same from call to call
         # (dtypes and Numba types are interned), so they are looked up by identity first. An
         # entry keeps its key's objects alive: their ids stay theirs.
         identity = tuple(map(id, key)) if type(key) is tuple else id(key)
@@ -442,8 +442,8 @@ def _entry_point(dispatcher):
     Calling the dispatcher types every argument first, and an argument that is a tuple (the
     kernels' `mods`) is typed element by element in Python, which cost more than a small
     call's whole work. The entry point converts the arguments by its one signature, for a
-    small fraction of that (measured: docs/history.md, "Zen 4 (2026-12-02): Numba's
-    dispatcher"). It refuses an array of another dtype or a tuple of another length,
+    small fraction of that (measured: docs/history.md, "Per-call cost", Numba's
+    dispatcher). It refuses an array of another dtype or a tuple of another length,
     but not an array of another number of dimensions: every caller passes arrays the
     validation built, and the test suite runs with `CHECK_ARGUMENTS` too.
     """

@@ -3,8 +3,8 @@
 A decoding step calls cpuflash once per layer (30 calls with the same shapes per token), and for
 a few hundred cached keys checking the arguments and choosing the plan from scratch costs more
 than the kernel's work; the layers of a small model (or a short prompt) call the forward the
-same way, and there the checks cost a large share of a call (measured: docs/history.md, "Zen 4
-(2026-12-05): small calls"). So once a call has passed every check, what those checks and
+same way, and there the checks cost a large share of a call (measured: docs/history.md,
+"Per-call cost", small calls). So once a call has passed every check, what those checks and
 choices derived from everything that stays the same from call to call (shapes, dtypes, the
 options and their types, so that ``True`` never stands in for ``1``) is stored under a key of
 exactly those things; the next call with the same key skips to the kernel.
@@ -64,7 +64,7 @@ def decode_plan(n_keys, n_items, n_threads, head_dim, dtype, num_splits):
 def schedule(key, make):
     """``make()``, remembered under `key`: the tiles and the work items dealt to the threads
     of the FA-2 kernels, which cost a small call (a layer of a small model) more than its
-    kernel does (measured: docs/history.md, "Zen 4 (2026-12-02): Numba's dispatcher"). `key`
+    kernel does (measured: docs/history.md, "Per-call cost", Numba's dispatcher). `key`
     must hold everything `make` reads, the tiling functions it calls included (tests replace
     them). The plan's arrays are made read-only: every later call shares them."""
     plan = _schedules.get(key)

@@ -18,8 +18,8 @@ from .kernels.quantize import int8_rows
 QUANT_MAX = {"int8": 127.0, "float8_e4m3": 448.0}
 FLOAT8_NAME = "float8_e4m3fn"  # ml_dtypes' name of the float8 dtype
 # The most numbers quantized by the compiled loop, whose bits are those of the numpy operations
-# below: faster for a few rows, slower for many (measured: docs/history.md, "Zen 4
-# (2026-12-05, third session)")
+# below: faster for a few rows, slower for many (measured: docs/history.md, "Inside Hugging
+# Face transformers", what bounds the in-model targets)
 COMPILED_SIZE = 1 << 14
 
 

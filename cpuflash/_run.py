@@ -89,7 +89,7 @@ class Forward:
     """What a repeated FA-2 forward call needs besides its arrays: the checked call of an
     earlier one with the same key (`plan_key`), and its sequence table. (A call's arrays
     are passed to `forward` beside it: a copy of it with them would give back much of what
-    skipping the checks saves; measured: docs/history.md, "Zen 4 (2026-12-05): small calls".)"""
+    skipping the checks saves; measured: docs/history.md, "Per-call cost", small calls.)"""
 
     def __init__(self, call, layout, seqs):
         self.layout = layout

@@ -63,7 +63,7 @@ def backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
                     and x.dtype == call.dtype and x.flags.writeable and x.flags.aligned):
                 return None
             # (a loop: generators cost a small call measurably more here; docs/history.md,
-            # "Zen 4 (2026-12-05, later): the tiny model's backward")
+            # "Per-call cost", the tiny model's backward)
             for y in read:
                 if np.may_share_memory(x, y):
                     return None

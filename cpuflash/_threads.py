@@ -22,8 +22,8 @@ instead (`settle_layer`, at import or at the first call). Numba's OpenMP extensi
 the GNU OpenMP runtime torch loaded (the first `GOMP_*` symbols in the process): cpuflash's
 kernels run on torch's own worker threads, one pool for both libraries, where oneTBB's workers
 would sleep beside torch's spinning ones and be woken at every call (attention calls between
-torch matmuls, and transformers models, ran faster so: docs/history.md, "Zen 4 (2026-12-02,
-later): TBB or OpenMP").
+torch matmuls, and transformers models, ran faster so: docs/history.md, "Two thread pools: TBB
+or OpenMP").
 Numba stops a forked child that launches a parallel kernel after its parent used GNU OpenMP, so
 a child forked after a cpuflash call runs each kernel's one-thread build (`FORKED_AFTER_OPENMP`,
 `_jit.Kernel`).
@@ -92,7 +92,7 @@ def thread_count():
     """`numba.get_num_threads()`, which takes Numba's two start-up locks on every call (a
     noticeable share of a short decoding call); once the threads are up, Numba's own getter
     behind it gives the same number for a fraction of that (measured: docs/history.md,
-    "Per-call cost of decoding (Intel Xeon, 2026-12-01)")."""
+    "Per-call cost", decoding on the Xeon)."""
     if getattr(_numba_parallel, "_is_initialized", False):
         getter = getattr(_numba_parallel, "_get_num_threads", None)
         n = getter() if getter is not None else 0

@@ -162,8 +162,8 @@ def _kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor]
 def _run_kvcache(*args):
     """``torch.ops.cpuflash.attention_with_kvcache(*args)``, or, for an eager call that needs
     no gradient (`_eager`), its work without the dispatch, which was most of a short decoding
-    call's time, 30 times a token in a 30-layer model (measured: docs/history.md, "Zen 3
-    (2026-12-02): torch's operator dispatch").
+    call's time, 30 times a token in a 30-layer model (measured: docs/history.md, "Per-call
+    cost", torch's operator dispatch).
     The caches' version counters move as the operator moves them, where keys are written."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table = args[:7]
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, args[12])

@@ -86,8 +86,8 @@ def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, b
 def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias,
              mask, sinks, layout):
     """The forward's work, shared by the operator and the eager path: (out, lse) tensors."""
-    # (a tuple: slicing a torch.Size costs more; measured: docs/history.md, "Zen 4 (2026-12-05):
-    # small calls")
+    # (a tuple: slicing a torch.Size costs more; measured: docs/history.md, "Per-call cost",
+    # small calls)
     out = q.new_empty(tuple(q.shape)[:-1] + (v.shape[-1],))
     _, lse = api.attention(
         _as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True, out=_as_numpy(out),
@@ -185,7 +185,7 @@ def _eager_function(name, forward, setup_context, backward):
 
     At a small model's layer (B16 H4 N64 D16 causal) the operators' dispatch costs about as
     much as the kernels, and this way costs a third less outside them (measured:
-    docs/history.md, "Zen 3 (2026-12-02): torch's operator dispatch"). Same functions, same
+    docs/history.md, "Per-call cost", torch's operator dispatch). Same functions, same
     bits; the operators stay for `torch.compile`, `torch.export` and functorch's transforms.
     """
     # (the `forward(ctx, ...)` form: `setup_context` as a staticmethod of its own costs more,
@@ -232,7 +232,7 @@ def _check_cpu(**tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch tensor, got {type(t).__name__}")
         # (`is_cpu`: `t.device` costs a noticeable share of a small call's adapter; measured:
-        # docs/history.md, "Zen 4 (2026-12-05): small calls")
+        # docs/history.md, "Per-call cost", small calls)
         if not t.is_cpu:
             raise ValueError(f"`{name}` is on device {t.device}, but cpuflash runs on the CPU "
                              f"only: pass CPU tensors (`{name}.cpu()`)")

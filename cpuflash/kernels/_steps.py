@@ -433,7 +433,7 @@ def softmax_update(scores, row_max, row_sum, alpha, rows, cols, lo_off, hi_off, 
     # Three loops over the rows: block maxes (into alpha), new maxes and alpha, then P and
     # the sums. Each row's work is a chain of dependent steps (the maxes' shuffle tree, the
     # exponential, the sum's tree); in short loops the core runs several rows' chains at once
-    # (measured faster at 16-128 keys: docs/history.md, "Zen 4 (2026-12-05): small calls")
+    # (measured faster at 16-128 keys: docs/history.md, "Per-call cost", small calls)
     for r in range(rows):
         for c in range(cols, width):
             scores[r, c] = -np.inf
@@ -476,7 +476,7 @@ def _max_span(scores, start, end):
 
     Four running maxes: `vmax` is three dependent instructions (it keeps NaN), and one running
     max over a row leaves the core waiting on that chain (measured on the AVX2 build at
-    D = 64: docs/history.md, "The AVX2 build on Zen 4 (2026-12-05)"). A maximum is exact
+    D = 64: docs/history.md, "Forward", the AVX2 build on Zen 4). A maximum is exact
     whatever the order, so the value is the same as one running max's (only the sign of a zero
     maximum may differ).
     """

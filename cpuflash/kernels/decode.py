@@ -59,7 +59,7 @@ NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
 # What a parallel launch costs, in the kernel's work of one core: keys x query rows
 # x (D + Dv) multiply-adds. The items run on the calling thread alone unless the threads would
 # save more than that (the work of all but the largest chunk's items; chosen by measurement on
-# 2 threads: docs/history.md, "Per-call cost of decoding (Intel Xeon, 2026-12-01)"). Each
+# 2 threads: docs/history.md, "Per-call cost", decoding on the Xeon). Each
 # item's arithmetic is the same either way, so the results do not depend on it.
 SERIAL_WORK = 1 << 17
 
@@ -582,8 +582,8 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
     each query vector once for four keys, and one shared reduction tree for the sums. Rows past
     the count are skipped, not repeated (the branches are the same each step, and predicted):
     a multi-head model's group of one row did four times the arithmetic it needs, which held
-    an int8 cache far above the time its bytes take (measured: docs/history.md, "8-bit caches
-    on Zen 4 (2026-12-04)")."""
+    an int8 cache far above the time its bytes take (measured: docs/history.md, "Decoding",
+    8-bit caches on Zen 4)."""
     n, dp, sw = _layout.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     run_cols, starts, n_runs, step = runs
     later_starts, later_step = later_runs[1], later_runs[3]

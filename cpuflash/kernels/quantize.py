@@ -2,7 +2,8 @@
 
 A decoding step quantizes one token's keys and values, a few rows: numpy's dozen small
 operations were most of the cost of a cache layer's update in transformers (measured:
-docs/history.md, "Zen 4 (2026-12-05, third session)"); here each row is one pass. The rule is
+docs/history.md, "Inside Hugging Face transformers", what bounds the in-model targets); here
+each row is one pass. The rule is
 `quantize_rows`' own, with the same IEEE float32 divisions, so both give the same bits.
 """
 
