@@ -86,32 +86,6 @@ def _digest(function, seen=None):
 
 _RAISES = {"RAISE_VARARGS", "RERAISE"}  # the opcodes of `raise` and `assert`
 
-
-def _raising(function, seen=None):
-    """The name of `function`, or of a function it calls, whose code has a `raise` or an
-    `assert`; None when none has."""
-    seen = set() if seen is None else seen
-    if isinstance(function, CPUDispatcher):
-        function = function.py_func
-    if not isinstance(function, pytypes.FunctionType) or id(function) in seen:
-        return None
-    seen.add(id(function))
-    codes = [function.__code__]
-    for code in codes:
-        if any(op.opname in _RAISES for op in dis.get_instructions(code)):
-            return function.__qualname__
-        codes += [const for const in code.co_consts if isinstance(const, pytypes.CodeType)]
-        for name in code.co_names:
-            culprit = _raising(function.__globals__.get(name), seen)
-            if culprit is not None:
-                return culprit
-    for cell in function.__closure__ or ():
-        culprit = _raising(cell.cell_contents, seen)
-        if culprit is not None:
-            return culprit
-    return None
-
-
 # what a user function may read besides its arguments: values Numba cannot be told to change
 # (a changed global is not seen by the function it compiled, in this process or from the cache)
 _CONSTANT_TYPES = (numbers.Number, str, bytes, type(None), np.generic, np.dtype, type,
@@ -121,57 +95,93 @@ _ARGUMENTS_OF = {"score_mod": "score_args", "mask_mod": "mask_args",
 _MISSING = object()
 
 
-def _reads(function, role, seen=None):
-    """[(namespace, name, value)] of the globals and closure cells `function` reads, and those
-    of the functions it calls; a TypeError naming one whose value can change in place (an
-    array, a list, a tensor): Numba compiles such a value into the function, and the kernels
-    would go on computing with the value it had at the first call."""
-    seen = set() if seen is None else seen
-    if isinstance(function, CPUDispatcher):
-        function = function.py_func
-    if not isinstance(function, pytypes.FunctionType) or id(function) in seen:
-        return []
-    seen.add(id(function))
-    reads = []
-
-    def check(where, value):
-        if isinstance(value, tuple):
-            for item in value:
-                check(where, item)
-        elif isinstance(value, (pytypes.FunctionType, CPUDispatcher)):
-            reads.extend(_reads(value, role, seen))
-        elif not isinstance(value, _CONSTANT_TYPES):
-            kind = f"{type(value).__module__}.{type(value).__qualname__}"
-            _fail(TypeError, f"`{role}` ({function.__qualname__}) reads {where}, a {kind}: Numba "
-                             f"compiles the value it has at the first call into the function, "
-                             f"so a later change to it would be ignored. Pass it in "
-                             f"`{_ARGUMENTS_OF[role]}` (it arrives after kv_idx) instead")
-
-    namespace = function.__globals__
+def _codes(function):
+    """The code of `function` and of the functions and lambdas defined in it."""
     codes = [function.__code__]
     for code in codes:
         codes += [const for const in code.co_consts if isinstance(const, pytypes.CodeType)]
+    return codes
+
+
+def _own_reads(function):
+    """[(namespace, name, value, where)]: what `function` itself reads besides its arguments.
+    Its globals (and the value a ``module.name`` chain reaches), its closure cells (the cell
+    as namespace) and its defaults (namespace None); `where` names it for a message."""
+    reads = []
+    namespace = function.__globals__
+    for code in _codes(function):
         instructions = list(dis.get_instructions(code))
         for i, op in enumerate(instructions):
             if op.opname not in ("LOAD_GLOBAL", "LOAD_NAME") or op.argval not in namespace:
                 continue  # (a builtin)
-            value = namespace[op.argval]
-            reads.append((namespace, op.argval, value))
-            where = f"the global `{op.argval}`"
+            value, where = namespace[op.argval], f"the global `{op.argval}`"
+            reads.append((namespace, op.argval, value, where))
             for attr in instructions[i + 1:]:  # `module.name`: the value the attribute holds
                 if not isinstance(value, pytypes.ModuleType) or \
                         attr.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
                     break
-                reads.append((value.__dict__, attr.argval, getattr(value, attr.argval, None)))
-                value = getattr(value, attr.argval, None)
+                owner, value = value, getattr(value, attr.argval, None)
                 where += f".{attr.argval}"
-            check(where, value)
+                reads.append((owner.__dict__, attr.argval, value, where))
     for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
-        reads.append((cell, name, cell.cell_contents))
-        check(f"`{name}` from its closure", cell.cell_contents)
-    for value in function.__defaults__ or ():
-        check("a default argument", value)
+        reads.append((cell, name, cell.cell_contents, f"`{name}` from its closure"))
+    reads += [(None, None, value, "a default argument") for value in function.__defaults__ or ()]
     return reads
+
+
+def _flat(value):
+    """`value`, or the items of a tuple (of tuples), one by one."""
+    if isinstance(value, tuple):
+        for item in value:
+            yield from _flat(item)
+    else:
+        yield value
+
+
+def _reached(function):
+    """[(function, `_own_reads(function)`)] for `function` and each Python function it reaches
+    through what it reads (a numba.njit one by its Python function), each once."""
+    reached, seen, todo = [], set(), [function]
+    while todo:
+        function = todo.pop(0)
+        if isinstance(function, CPUDispatcher):
+            function = function.py_func
+        if not isinstance(function, pytypes.FunctionType) or id(function) in seen:
+            continue
+        seen.add(id(function))
+        reads = _own_reads(function)
+        reached.append((function, reads))
+        todo += [item for read in reads for item in _flat(read[2])]
+    return reached
+
+
+def _raising(reached):
+    """The name of the first of the `_reached` functions whose code has a `raise` or an
+    `assert`; None when none has."""
+    for function, _ in reached:
+        for code in _codes(function):
+            if any(op.opname in _RAISES for op in dis.get_instructions(code)):
+                return function.__qualname__
+    return None
+
+
+def _reads(reached, role):
+    """[(namespace, name, value)] of the globals and closure cells the `_reached` functions
+    read; a TypeError naming one whose value can change in place (an array, a list, a tensor):
+    Numba compiles such a value into the function, and the kernels would go on computing with
+    the value it had at the first call."""
+    for function, reads in reached:
+        for _, _, value, where in reads:
+            for item in _flat(value):
+                if not isinstance(item, (_CONSTANT_TYPES, pytypes.FunctionType, CPUDispatcher)):
+                    kind = f"{type(item).__module__}.{type(item).__qualname__}"
+                    _fail(TypeError, f"`{role}` ({function.__qualname__}) reads {where}, a "
+                                     f"{kind}: Numba compiles the value it has at the first call "
+                                     f"into the function, so a later change to it would be "
+                                     f"ignored. Pass it in `{_ARGUMENTS_OF[role]}` (it arrives "
+                                     f"after kv_idx) instead")
+    return [(namespace, name, value) for _, reads in reached
+            for namespace, name, value, _ in reads if namespace is not None]
 
 
 def _unchanged(reads):
@@ -199,13 +209,14 @@ def user_function(role, function):
             # an exception raised on a worker thread of a kernel's parallel loop is lost (the
             # call returns as if nothing happened), on the calling thread it comes back as a
             # SystemError: no function that can raise runs in a kernel
-            culprit = _raising(function)
+            reached = _reached(function)
+            culprit = _raising(reached)
             if culprit is not None:
                 _fail(TypeError, f"`{role}` ({function.__qualname__}) must not raise: "
                                  f"{culprit} has a `raise` or an `assert`, and an exception "
                                  "cannot leave the kernels' parallel loops; return -inf (a "
                                  "score) or False (a mask) instead")
-            reads = _reads(function, role)
+            reads = _reads(reached, role)
             options = _user_options()
             jitted = numba.njit(**options)(function)
             described = sorted((name, sorted(value) if isinstance(value, set) else value)
