@@ -414,8 +414,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         mask = filled if mask is None else jnp.logical_and(mask, filled)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
-    out, lse = attention(query, key, value, scale=scale, window=window, bias=bias, mask=mask,
-                         layout="bshd", return_lse=True)
+    result = attention(query, key, value, scale=scale, window=window, bias=bias, mask=mask,
+                       layout="bshd", return_lse=return_residual)
+    out, lse = result if return_residual else (result, None)
     q_lengths = lengths["query_seq_lengths"]
     if q_lengths is not None:  # padding rows give 0, as jax gives
         rows = jnp.arange(n_q)[None, :, None, None] < q_lengths[:, None, None, None]
