@@ -11,8 +11,8 @@ __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                       softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None,
-                       layout="bhsd", dq=None, dk=None, dv=None):
+                       chunk_size=None, softcap=0.0, alibi_slopes=None, bias=None, mask=None,
+                       sinks=None, layout="bhsd", dq=None, dk=None, dv=None):
     """Gradients of `cpuflash.attention` with respect to q, k, v (and sinks).
 
     Parameters
@@ -25,7 +25,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         The forward's output for the same arguments.
     lse : (..., Hq, Nq) array (``(B, Hq, Nq)`` with ``"bshd"``)
         The forward's log-sum-exp (``return_lse=True``).
-    causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout
+    causal, scale, window, chunk_size, softcap, alibi_slopes, bias, mask, sinks, layout
         The forward's keywords, unchanged. `alibi_slopes`, `bias` and `mask` are constants (no
         gradient).
     dq, dk, dv : arrays, optional
@@ -48,17 +48,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     key = None
     if alibi_slopes is None and bias is None and mask is None and sinks is None:
-        key = _run_backward.plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap,
-                                     layout)
+        key = _run_backward.plan_key(dout, q, k, v, out, lse, causal, scale, window,
+                                     chunk_size, softcap, layout)
         setup = _plans.get(key) if key is not None else None
         if setup is not None:
             result = _run_backward.backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv)
             if result is not None:
                 return result
     call = _validate.attention_args(
-        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
-        return_lse=True)
+        q, k, v, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
+        layout=layout, return_lse=True)
     grads = _validate_gradients.gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
     if key is not None and q.ndim == 4:
@@ -71,8 +71,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
-                              causal=False, scale=None, window=None, softcap=0.0,
-                              alibi_slopes=None):
+                              causal=False, scale=None, window=None, chunk_size=None,
+                              softcap=0.0, alibi_slopes=None):
     """Gradients of `cpuflash.attention_varlen` with respect to q, k, v.
 
     Parameters
@@ -84,7 +84,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     out : (total_q, Hq, Dv) array
     lse : (Hq, total_q) array
         The forward's output and log-sum-exp (``return_lse=True``).
-    causal, scale, window, softcap, alibi_slopes
+    causal, scale, window, chunk_size, softcap, alibi_slopes
         The forward's keywords, unchanged.
 
     Returns
@@ -95,8 +95,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     call = _validate.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                 scale=scale, window=window, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, return_lse=True)
+                                 scale=scale, window=window, chunk_size=chunk_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
     grads = _validate_gradients.gradient_args(call, (q, k, v), dout, out, lse, None, None, None,
                                               "thd")
     _run_backward.backward(call, grads, _schedule.varlen_table(call.cu_q, call.cu_k))

@@ -104,6 +104,7 @@ class AttentionCall:
     bias_map: np.ndarray = None  # (batch,) the row of `bias` each batch entry reads
     causal: bool
     window: tuple  # (left, right), -1 = unbounded; `causal` made right 0
+    chunk: int = 0  # chunked attention's chunk size; 0 = off
     mask: np.ndarray = None  # bool, like `bias`
     mask_map: np.ndarray = None
     sinks: np.ndarray = None  # (Hq,) in the compute dtype; derived: size 0 without
@@ -162,8 +163,8 @@ class AttentionCall:
         left, right = self.window
         return Pipeline(scale=float(self.qk_scale), softcap=float(self.softcap),
                         alibi=self.alibi, bias=self.bias, bias_map=self.bias_map,
-                        left=left, right=right, mask=self.mask, mask_map=self.mask_map,
-                        sinks=self.sinks, **self.user._asdict())
+                        left=left, right=right, chunk=self.chunk, mask=self.mask,
+                        mask_map=self.mask_map, sinks=self.sinks, **self.user._asdict())
 
     def kernel_pipeline(self):
         """The score pipeline as the kernels' last arguments take it (`_pipeline.kernel_args`)."""
@@ -172,9 +173,9 @@ class AttentionCall:
     def plain(self):
         """Whether the call has no modifier but a causal mask or a window: its kernels are then
         builds compiled without the others' steps (`kernels.forward.PLAIN`)."""
-        return (self.softcap == 0 and self.alibi.shape[1] == 0 and self.bias.shape[0] == 0
-                and self.mask.shape[0] == 0 and self.sinks.shape[0] == 0
-                and self.user is NO_USER_FUNCTIONS)
+        return (self.softcap == 0 and self.chunk == 0 and self.alibi.shape[1] == 0
+                and self.bias.shape[0] == 0 and self.mask.shape[0] == 0
+                and self.sinks.shape[0] == 0 and self.user is NO_USER_FUNCTIONS)
 
     def without_arrays(self):
         """A copy that keeps none of the caller's arrays, for a stored plan (`_plans`): what a

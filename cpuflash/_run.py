@@ -148,8 +148,8 @@ def forward(call, seqs, arrays=None, plan=None):
 def _forward_launch(call, seqs, n_threads):
     """(kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline): the FA-2 kernel's
     arguments that the call's shapes, options and the thread count decide."""
-    key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.head_dim, call.head_dim_v,
-           call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
+    key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.chunk, call.head_dim,
+           call.head_dim_v, call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
@@ -172,7 +172,7 @@ def _forward_schedule(call, seqs, n_threads):
     tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
     key_align = min(key_align, tiles.block_k)
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                       key_align)
+                                       call.chunk, key_align)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
     return tiles, key_align, items, chunk_ptr
 
@@ -250,8 +250,8 @@ def quantized_scales(k_cache, v_cache, cache_seqlens):
     return k_cache.scale, v_cache.scale
 
 
-def plan_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layout,
-                num_splits, return_lse, new_k=None, new_v=None):
+def plan_key(kind, q, k, v, cache_seqlens, causal, scale, window, chunk_size, softcap, layout,
+             num_splits, return_lse, new_k=None, new_v=None):
     """The `_plans` key of a call with options of the common kinds, or None (the full path).
     `new_k`, `new_v`: the new keys and values of a KV-cache call, or None."""
     if new_k is None:
@@ -264,6 +264,7 @@ def plan_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layou
             and layout.__class__ is str and num_splits.__class__ is int
             and (scale is None or scale.__class__ is float or scale.__class__ is int)
             and (softcap.__class__ is float or softcap.__class__ is int)
+            and (chunk_size is None or chunk_size.__class__ is int)
             and q.__class__ is np.ndarray and k.__class__ is np.ndarray
             and v.__class__ is np.ndarray):
         return None
@@ -282,7 +283,7 @@ def plan_key(kind, q, k, v, cache_seqlens, causal, scale, window, softcap, layou
         axis = _SEQ_AXIS.get(layout, 2)
         k_shape, v_shape = _without(k_shape, axis), _without(v_shape, axis)
     return (kind, q.shape, q.dtype, k_shape, k.dtype, v_shape, v.dtype, causal, scale, window,
-            softcap, layout, num_splits, lengths, new)
+            chunk_size, softcap, layout, num_splits, lengths, new)
 
 
 _SEQ_AXIS = {"bhsd": 2, "bshd": 1}  # the sequence axis of 4-D arrays

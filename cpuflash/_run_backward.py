@@ -14,7 +14,7 @@ from .kernels._band import SEQ_N_K, SEQ_N_Q
 from .kernels.backward import fa2_backward, fa2_backward_plain, score_arg_grads
 
 
-def plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap, layout):
+def plan_key(dout, q, k, v, out, lse, causal, scale, window, chunk_size, softcap, layout):
     """The `_plans` key of a backward call with options of the common kinds (numpy arrays,
     options of their usual types: ``True`` never stands in for ``1``), or None."""
     if not (q.__class__ is np.ndarray and k.__class__ is np.ndarray
@@ -22,7 +22,8 @@ def plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap, layout):
             and out.__class__ is np.ndarray and lse.__class__ is np.ndarray
             and causal.__class__ is bool and layout.__class__ is str
             and (scale is None or scale.__class__ is float or scale.__class__ is int)
-            and (softcap.__class__ is float or softcap.__class__ is int)):
+            and (softcap.__class__ is float or softcap.__class__ is int)
+            and (chunk_size is None or chunk_size.__class__ is int)):
         return None
     if window is not None and not (window.__class__ is tuple and len(window) == 2
                                    and window[0].__class__ is int
@@ -30,7 +31,7 @@ def plan_key(dout, q, k, v, out, lse, causal, scale, window, softcap, layout):
         return None
     return ("backward", q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, dout.shape,
             dout.dtype, out.shape, out.dtype, lse.shape, lse.dtype, causal, scale, window,
-            softcap, layout)
+            chunk_size, softcap, layout)
 
 
 class Backward:
@@ -127,8 +128,8 @@ def backward(call, grads, seqs, qkv=None, fused=None, plan=None):
 def _backward_launch(call, seqs, n_threads, fused):
     """(kernel, schedule, dq_acc's columns, pipeline): what the call's shapes, options and the
     thread count decide of the backward kernel's arguments (`_backward_schedule`)."""
-    key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, n_threads,
-           fused, _fuse, tiling.backward_tiles)
+    key = ("backward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, call.chunk,
+           n_threads, fused, _fuse, tiling.backward_tiles)
     schedule = _plans.schedule(key, lambda: _backward_schedule(call, seqs, n_threads, fused))
     width = 2 * _simd.lanes_for(call.compute_dtype)
     kernel = (fa2_backward_plain if call.plain() else fa2_backward).specialize(
@@ -143,10 +144,10 @@ def _backward_schedule(call, seqs, n_threads, fused):
     tiles = tiling.backward_tiles(longest_q, longest_k)
     group = call.n_heads // call.n_kv_heads
     q_items, q_cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                           tiles.block_k)
+                                           call.chunk, tiles.block_k)
     q_items, q_chunks = _schedule.balance(q_items, q_cost, n_threads)
     k_items, k_cost = _schedule.key_items(seqs, call.n_kv_heads, group, tiles.block_k,
-                                          tiles.block_q, call.window)
+                                          tiles.block_q, call.window, call.chunk)
     whole = _schedule.whole_sequences(seqs, call.n_kv_heads, k_items, k_cost)
     if fused is None:
         fused = _fuse(*whole, n_threads)
@@ -183,7 +184,7 @@ def score_arg_gradients(call, grads, seqs, delta, grad_fns, float_args):
     longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
     tiles = tiling.backward_tiles(longest_q, longest_k)
     items, _ = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                    tiles.block_k)
+                                    call.chunk, tiles.block_k)
     n_slots = max(1, min(GRAD_SLOTS, len(items)))
     slot_ptr = np.linspace(0, len(items), n_slots + 1).round().astype(np.int64)
     parts = tuple(np.zeros((n_slots,) + x.shape, dtype=call.compute_dtype) for x in float_args)

@@ -40,7 +40,7 @@ def varlen_table(cu_q, cu_k):
     return seqs
 
 
-def work_items(seqs, n_heads, block_q, window, key_align):
+def work_items(seqs, n_heads, block_q, window, chunk, key_align):
     """All (sequence, head, first row) items and the number of query-key pairs each may see
     (a tile's first key block starts at a multiple of `key_align`, as in the kernel)."""
     n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
@@ -49,11 +49,11 @@ def work_items(seqs, n_heads, block_q, window, key_align):
     # the same key range the kernel computes for the tile
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
-    k_lo, k_hi = visible_keys(diag0, rows, n_k[seq], left, right, key_align)
+    k_lo, k_hi = visible_keys(diag0, rows, n_k[seq], left, right, chunk, 0, key_align)
     return _per_head(seq, q0, rows * np.maximum(0, k_hi - k_lo), n_heads)
 
 
-def key_items(seqs, n_kv_heads, group, block_k, block_q, window):
+def key_items(seqs, n_kv_heads, group, block_k, block_q, window, chunk):
     """The backward's key items: (sequence, kv head, first key of a block of `block_k`), and the
     number of query-key pairs each may see over the `group` query heads it visits (query tiles
     start at multiples of `block_q`, as in the kernel)."""
@@ -63,7 +63,8 @@ def key_items(seqs, n_kv_heads, group, block_k, block_q, window):
     # the query rows that see a key of the block: `visible_keys` from the keys' side (key j is
     # seen by rows j - shift - right .. j - shift + left)
     left, right = window
-    q_lo, q_hi = visible_keys(k0 - (n_k[seq] - n_q[seq]), cols, n_q[seq], right, left, block_q)
+    shift = n_k[seq] - n_q[seq]
+    q_lo, q_hi = visible_keys(k0 - shift, cols, n_q[seq], right, left, chunk, shift, block_q)
     return _per_head(seq, k0, cols * np.maximum(0, q_hi - q_lo) * group, n_kv_heads)
 
 

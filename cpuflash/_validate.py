@@ -275,13 +275,26 @@ def _flags(causal, return_lse):
     return causal
 
 
-def _scalars(scale, window, softcap, causal, head_dim):
-    """(qk_scale, (left, right), softcap), checked."""
-    return scale_value(scale, head_dim), window_value(window, causal), softcap_value(softcap)
+def chunk_value(chunk_size):
+    """`chunk_size` as an int, 0 for None (no chunks)."""
+    if chunk_size is None:
+        return 0
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        _fail(TypeError, f"`chunk_size` must be an int >= 1 or None, got "
+                         f"{type(chunk_size).__name__}")
+    if chunk_size < 1:
+        _fail(ValueError, f"`chunk_size` must be >= 1 (None = no chunks), got {chunk_size}")
+    return int(chunk_size)
 
 
-def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                   alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+def _scalars(scale, window, softcap, causal, head_dim, chunk_size):
+    """(qk_scale, (left, right), softcap, chunk), checked."""
+    return (scale_value(scale, head_dim), window_value(window, causal), softcap_value(softcap),
+            chunk_value(chunk_size))
+
+
+def attention_args(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None,
+                   softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
                    return_lse=False, out=None, tiles=None):
     """Validate the arguments of `cpuflash.attention` and build the kernel's view of them."""
     q, k, v = as_array("q", q), as_array("k", k), as_array("v", v)
@@ -320,7 +333,7 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
     q4, k4, v4 = (x.reshape((batch,) + x.shape[-3:]) for x in (q4, k4, v4))
 
     # -- scalars
-    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
+    qk_scale, window, softcap, chunk = _scalars(scale, window, softcap, causal, d, chunk_size)
     tiles = tiles_value(tiles)
 
     # -- score modifiers
@@ -366,8 +379,8 @@ def attention_args(q, k, v, *, causal=False, scale=None, window=None, softcap=0.
         batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q, n_k=n_k,
         head_dim=d, head_dim_v=d_v,
         qk_scale=qk_scale, softcap=softcap, alibi=alibi, bias=bias4, bias_map=bias_map,
-        causal=causal, window=window, mask=mask4, mask_map=mask_map, sinks=sinks_arr,
-        tiles=tiles,
+        causal=causal, window=window, chunk=chunk, mask=mask4, mask_map=mask_map,
+        sinks=sinks_arr, tiles=tiles,
         out_user=out_user, out_bhsd=out_bhsd, copy_back=copy_back, lse_shape=lse_shape)
 
 
@@ -408,8 +421,8 @@ def cu_seqlens_value(name, cu, total, n_seqs=None):
     return cu
 
 
-def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, softcap,
-                alibi_slopes, return_lse):
+def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, chunk_size,
+                softcap, alibi_slopes, return_lse):
     """Validate `cpuflash.attention_varlen` and build the kernel's view of packed tokens."""
     q, k, v = as_array("q", q), as_array("k", k), as_array("v", v)
     dtype, cdtype = _dtypes(q, k, v)
@@ -424,7 +437,7 @@ def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, s
     cu_q = cu_seqlens_value("cu_seqlens_q", cu_seqlens_q, total_q)
     cu_k = cu_seqlens_value("cu_seqlens_k", cu_seqlens_k, total_k, n_seqs=cu_q.size - 1)
     n_seqs = cu_q.size - 1
-    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
+    qk_scale, window, softcap, chunk = _scalars(scale, window, softcap, causal, d, chunk_size)
     alibi = alibi_value(alibi_slopes, (n_seqs,), n_heads, cdtype)
 
     out_user = np.empty((total_q, n_heads, d_v), dtype=dtype)
@@ -433,6 +446,7 @@ def varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal, scale, window, s
         batch=n_seqs, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=total_q, n_k=total_k,
         head_dim=d, head_dim_v=d_v,
         qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
+        chunk=chunk,
         out_user=out_user, out_bhsd=np.swapaxes(out_user, 0, 1)[None],
         lse_shape=(n_heads, total_q), cu_q=cu_q, cu_k=cu_k)
 
@@ -445,8 +459,9 @@ def int_array(name, x):
     return x
 
 
-def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window, softcap,
-                 alibi_slopes, sinks, block_table, layout, num_splits, return_lse):
+def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window,
+                 chunk_size, softcap, alibi_slopes, sinks, block_table, layout, num_splits,
+                 return_lse):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
     checked, then written by `_kvcache.write_new_keys` once every check has passed, which also
     returns the kernel's view of the caches."""
@@ -541,7 +556,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         _fail(TypeError, f"`num_splits` must be an int (0 = automatic), got {num_splits!r}")
     if num_splits < 0:
         _fail(ValueError, f"`num_splits` must be >= 0 (0 = automatic), got {num_splits}")
-    qk_scale, window, softcap = _scalars(scale, window, softcap, causal, d)
+    qk_scale, window, softcap, chunk = _scalars(scale, window, softcap, causal, d, chunk_size)
     alibi = alibi_value(alibi_slopes, (batch,), n_heads, cdtype)
     sinks_arr = sinks_value(sinks, n_heads, cdtype)
 
@@ -554,7 +569,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         dtype=dtype, batch=batch, n_heads=n_heads, n_kv_heads=n_kv_heads, n_q=n_q,
         n_k=int(n_keys.max(initial=0)), head_dim=d, head_dim_v=d_v,
         qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
-        sinks=sinks_arr,
+        chunk=chunk, sinks=sinks_arr,
         out_user=out_user, out_bhsd=out_bhsd, lse_shape=(batch, n_heads, n_q),
         k_cache=kc4, v_cache=vc4, new_k=k4, new_v=v4, block_table=np.ascontiguousarray(table),
         page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,

@@ -5,9 +5,9 @@ from . import (_backward, _combine, _public, _quantize, _run, _schedule, _user_f
 
 
 @_public.public(_validate.attention_args)
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-              bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False, out=None,
-              tiles=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
+              alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+              return_lse=False, out=None, tiles=None):
     """Exact attention ``softmax(scale * Q K^T + modifiers) V``, tiled, never forming ``Nq x Nk``.
 
     Parameters
@@ -34,6 +34,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         Key ``j`` is visible to query ``i`` when
         ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``; ``-1`` leaves a side unbounded.
         With `causal`, ``right`` is 0.
+    chunk_size : int, optional
+        Chunked local attention (Llama 4): query ``i`` sees only the keys of its own chunk of
+        `chunk_size` positions, ``(i + Nk - Nq) // chunk_size == j // chunk_size``, AND the
+        other rules. Key blocks outside a query tile's chunks are never visited.
     softcap : float
         When ``> 0``, scores become ``softcap * tanh(score / softcap)`` (Gemma-2 style).
     alibi_slopes : (Hq,) or (..., Hq) float array, optional
@@ -81,23 +85,24 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     if (alibi_slopes is None and bias is None and mask is None and sinks is None
             and tiles is None):
         q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
-        key = _run.plan_key("attention", q, k, v, None, causal, scale, window, softcap, layout, 0,
-                            return_lse)
+        key = _run.plan_key("attention", q, k, v, None, causal, scale, window, chunk_size,
+                            softcap, layout, 0, return_lse)
         result = _run.attention_again(key, q, k, v, out, return_lse)
         if result is not None:
             return result
         if q.ndim != 4:
             key = None  # (only 4-D calls keep a plan)
     call = _validate.attention_args(
-        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
-        return_lse=return_lse, out=out, tiles=tiles)
+        q, k, v, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
+        layout=layout, return_lse=return_lse, out=out, tiles=tiles)
     return _run.attention(call, layout, key, out is not None, return_lse)
 
 
 @_public.public()
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                     window=None, softcap=0.0, alibi_slopes=None, return_lse=False):
+                     window=None, chunk_size=None, softcap=0.0, alibi_slopes=None,
+                     return_lse=False):
     """Attention over a batch of packed sequences of different lengths (flash-attn's "thd").
 
     Parameters
@@ -109,8 +114,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     cu_seqlens_q, cu_seqlens_k : (B + 1,) int arrays
         Cumulative lengths: sequence ``b`` is rows ``cu[b]:cu[b+1]``; start at 0, never
         decrease, end at ``total``. Empty sequences are allowed.
-    causal, scale, window, softcap : as in `attention`, aligned per sequence (bottom-right:
-        query ``i`` of sequence ``b`` sits over key ``i + Nk_b - Nq_b``).
+    causal, scale, window, chunk_size, softcap : as in `attention`, aligned per sequence
+        (bottom-right: query ``i`` of sequence ``b`` sits over key ``i + Nk_b - Nq_b``; chunks
+        start at each sequence's first key).
     alibi_slopes : (Hq,) or (B, Hq) float array, optional
     return_lse : bool
 
@@ -122,8 +128,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     Work items are (sequence, head, query block): no work is spent on padding.
     """
     call = _validate.varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                 scale=scale, window=window, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, return_lse=return_lse)
+                                 scale=scale, window=window, chunk_size=chunk_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes,
+                                 return_lse=return_lse)
     seqs = _schedule.varlen_table(call.cu_q, call.cu_k)
     if call.n_q and call.batch:
         _run.forward(call, seqs)
@@ -132,10 +139,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
 @_public.public(_validate.kvcache_args)
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None,
-                           causal=True, scale=None, window=None, softcap=0.0,
-                           alibi_slopes=None, sinks=None, block_table=None, layout="bhsd",
-                           num_splits=0, return_lse=False, score_mod=None, score_args=(),
-                           mask_mod=None, mask_args=()):
+                           causal=True, scale=None, window=None, chunk_size=None,
+                           softcap=0.0, alibi_slopes=None, sinks=None, block_table=None,
+                           layout="bhsd", num_splits=0, return_lse=False, score_mod=None,
+                           score_args=(), mask_mod=None, mask_args=()):
     """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
 
     Parameters
@@ -157,6 +164,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         ``j <= i + cache_seqlens[b] + Nnew - Nq``. True by default, as decoding needs
         (flash-attn's `flash_attn_with_kvcache` defaults to False).
     scale, window, softcap, alibi_slopes, sinks, layout : as in `attention`.
+    chunk_size : int, optional
+        As in `attention`, over cache positions: query ``i`` (at position
+        ``cache_seqlens[b] + Nnew - Nq + i``) sees the keys of its own chunk.
     block_table : (B, max_pages) int array, optional
         Paged cache: position ``p`` of batch ``b`` is row ``p % page_size`` of page
         ``block_table[b, p // page_size]``.
@@ -202,15 +212,16 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         if k is not None:
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
         key = _run.plan_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,
-                            softcap, layout, num_splits, return_lse, k, v)
+                            chunk_size, softcap, layout, num_splits, return_lse, k, v)
         result = _run.kvcache_again(key, q, k_data, v_data, cache_seqlens, return_lse, k, v,
                                     scales)
         if result is not None:
             return result
     call = _validate.kvcache_args(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
-        window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        block_table=block_table, layout=layout, num_splits=num_splits, return_lse=return_lse)
+        window=window, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks, block_table=block_table, layout=layout, num_splits=num_splits,
+        return_lse=return_lse)
     if own:
         call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,
                                                    mask_args, None, positions=True)

@@ -90,15 +90,15 @@ def _block_states(mask_mod, args, states, n_q, n_k, block_q, block_k):
 # -- attention ------------------------------------------------------------------------------
 
 def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mask_args=(),
-                   block_mask=None, causal=False, scale=None, window=None, softcap=0.0,
-                   alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+                   block_mask=None, causal=False, scale=None, window=None, chunk_size=None,
+                   softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
                    return_lse=False, out=None, tiles=None):
     """`cpuflash.attention` with your own score and mask functions compiled into its tiles.
 
     Parameters
     ----------
-    q, k, v, causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout,
-    return_lse, out, tiles
+    q, k, v, causal, scale, window, chunk_size, softcap, alibi_slopes, bias, mask, sinks,
+    layout, return_lse, out, tiles
         As in `cpuflash.attention`.
     score_mod : function, optional
         ``score_mod(score, b, h, q_idx, kv_idx, *score_args) -> new score``, torch
@@ -127,9 +127,9 @@ def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mas
     into `score_args`/`mask_args` arrays are not bounds-checked: they must be in range.
     """
     call = _validate.attention_args(
-        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
-        return_lse=return_lse, out=out, tiles=tiles)
+        q, k, v, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
+        layout=layout, return_lse=return_lse, out=out, tiles=tiles)
     call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,
                                                mask_args, block_mask)
     if not (call.n_q and call.batch and call.n_heads):
@@ -140,7 +140,8 @@ def flex_attention(q, k, v, *, score_mod=None, score_args=(), mask_mod=None, mas
 
 def flex_attention_backward(dout, q, k, v, out, lse, *, score_mod=None, score_args=(),
                             mask_mod=None, mask_args=(), block_mask=None, causal=False,
-                            scale=None, window=None, softcap=0.0, alibi_slopes=None, bias=None,
+                            scale=None, window=None, chunk_size=None, softcap=0.0,
+                            alibi_slopes=None, bias=None,
                             mask=None, sinks=None, layout="bhsd", dq=None, dk=None, dv=None,
                             score_mod_grad=None):
     """Gradients of `flex_attention` with respect to q, k, v (and sinks).
@@ -164,9 +165,9 @@ def flex_attention_backward(dout, q, k, v, out, lse, *, score_mod=None, score_ar
     """
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     call = _validate.attention_args(
-        q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, layout=layout,
-        return_lse=True)
+        q, k, v, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
+        layout=layout, return_lse=True)
     call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,
                                                mask_args, block_mask)
     if score_mod is not None:

@@ -14,9 +14,9 @@ import numpy as np
 __all__ = ["attention_reference", "scores", "attention_fa1", "naive_attention"]
 
 
-def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                        alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
-                        return_lse=False, dtype=np.float64):
+def attention_reference(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None,
+                        softcap=0.0, alibi_slopes=None, bias=None, mask=None, sinks=None,
+                        layout="bhsd", return_lse=False, dtype=np.float64):
     """Attention computed densely, rule by rule, in `dtype` (float64 by default).
 
     Takes the arguments of `cpuflash.attention` (see its docstring for shapes and conventions)
@@ -28,8 +28,9 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softc
     dtype = np.dtype(dtype)
     if layout == "bshd":  # (B, N, H, D) -> (B, H, N, D)
         q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
-    s, visible = scores(q, k, causal=causal, scale=scale, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes, bias=bias, mask=mask, dtype=dtype)
+    s, visible = scores(q, k, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
+                        dtype=dtype)
     v = v.astype(dtype)
     n_k = k.shape[-2]
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
@@ -55,8 +56,8 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, softc
     return (out, lse.astype(dtype)) if return_lse else out
 
 
-def scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-           bias=None, mask=None, dtype=np.float64):
+def scores(q, k, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
+           alibi_slopes=None, bias=None, mask=None, dtype=np.float64):
     """Steps 1-5 of the score pipeline, densely: ``(s, visible)``.
 
     `q` is ``(..., Hq, Nq, D)`` and `k` ``(..., Hk, Nk, D)`` (``layout="bhsd"``); the other
@@ -99,6 +100,8 @@ def scores(q, k, *, causal=False, scale=None, window=None, softcap=0.0, alibi_sl
             visible &= cols >= rows - left
         if right >= 0:
             visible &= cols <= rows + right
+    if chunk_size is not None:
+        visible &= rows // chunk_size == cols // chunk_size
     if mask is not None:
         visible = visible & np.asarray(mask, dtype=bool)
     s = np.where(visible, s, -np.inf)

@@ -17,7 +17,7 @@ from helpers import (assert_same_bits, heads_first, low_precision_dtype, negativ
 # -- the dense reference of the gradients ---------------------------------------------------------
 
 def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, window=None,
-                                 softcap=0.0, alibi_slopes=None, bias=None, mask=None,
+                                 chunk_size=None, softcap=0.0, alibi_slopes=None, bias=None, mask=None,
                                  sinks=None, layout="bhsd", dtype=np.float64, magnitudes=False):
     """The gradients of `attention_reference`'s output, densely, in `dtype`.
 
@@ -43,7 +43,8 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
     q, k, v, dout = (np.asarray(x).astype(dtype) for x in (q, k, v, dout))
     n_k, d = k.shape[-2:]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+    options = dict(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                   softcap=softcap,
                    alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, dtype=dtype)
     identity = np.broadcast_to(np.eye(n_k, dtype=dtype), k.shape[:-1] + (n_k,))
     p, lse = attention_reference(q, k, identity, return_lse=True, **options)
@@ -254,6 +255,14 @@ def test_windows(rng, n_q, n_k, window):
     q, k, v = random_qkv(rng, (1, 4, n_q, 32), (1, 2, n_k, 32))
     check(rng, q, k, v, window=window)
     check(rng, q, k, v, window=window, causal=True)
+
+
+@pytest.mark.parametrize("n_q,n_k", [(113, 239), (239, 113), (127, 127)])
+@pytest.mark.parametrize("chunk_size", [1, 16, 50, 128, 1000])
+def test_chunks(rng, n_q, n_k, chunk_size):
+    q, k, v = random_qkv(rng, (1, 4, n_q, 32), (1, 2, n_k, 32))
+    check(rng, q, k, v, chunk_size=chunk_size)
+    check(rng, q, k, v, chunk_size=chunk_size, causal=True, window=(40, -1))
 
 
 @pytest.mark.parametrize("n_q,n_k", [(113, 239), (239, 113), (3, 70)])
@@ -632,7 +641,8 @@ def test_hidden_nonfinite_values_stay_in_their_packed_sequence(rng, monkeypatch,
 # -- packed sequences -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_varlen(rng, monkeypatch, fused):
+@pytest.mark.parametrize("chunk_size", [None, 32])
+def test_varlen(rng, monkeypatch, fused, chunk_size):
     """Each packed sequence's gradients are those of the sequence alone (empty ones too), and
     the fused and split schemes give the same bits."""
     from cpuflash import _run_backward
@@ -641,7 +651,7 @@ def test_varlen(rng, monkeypatch, fused):
     lens_q, lens_k = [5, 0, 130, 1, 77, 40], [7, 3, 100, 0, 200, 40]
     q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k)
     slopes = rng.uniform(0.01, 0.3, (len(lens_q), 4)).astype(np.float32)
-    options = dict(causal=True, window=(50, -1), softcap=4.0)
+    options = dict(causal=True, window=(50, -1), softcap=4.0, chunk_size=chunk_size)
     out, lse = cpuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True,
                                          alibi_slopes=slopes, **options)
     dout = rng.standard_normal(out.shape).astype(np.float32)

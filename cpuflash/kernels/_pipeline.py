@@ -38,11 +38,12 @@ STEPS = (
          "s = score_mod(s, b, h, q_idx, kv_idx, *score_args): the user's, compiled in "
          "(`_user`); `positions`: q_idx is the query's position in its sequence, not its row",
          "found on dual numbers (`_user`), into the chain"),
-    Step("visibility", ("left", "right", "mask", "mask_map", "mask_args", "block_states",
-                        "block_q", "block_k"),
+    Step("visibility", ("left", "right", "chunk", "mask", "mask_map", "mask_args",
+                        "block_states", "block_q", "block_k"),
          "-inf where a key is hidden: the window (left, right; -1 unbounded; causal is "
-         "right = 0), the bool mask (like bias), the user's mask_mod (with its args) and the "
-         "block mask's tile states (EMPTY tiles never visited, FULL ones not asked)",
+         "right = 0), the chunks (a row sees its own chunk of `chunk` positions; 0 = off), "
+         "the bool mask (like bias), the user's mask_mod (with its args) and the block "
+         "mask's tile states (EMPTY tiles never visited, FULL ones not asked)",
          "0 where hidden"),
     Step("sinks", ("sinks",), "exp(sinks[h]) joins each row's denominator; size 0 = off",
          "dsinks, summed by the backward's caller"),
@@ -75,7 +76,7 @@ def kernel_types(compute, functions, score_args, mask_args):
         alibi=types.Array(calc, 2, "A", readonly=True),
         bias=types.Array(calc, 4, "A", readonly=True), bias_map=index1,
         functions=functions, score_args=score_args, positions=types.boolean,
-        left=types.int64, right=types.int64,
+        left=types.int64, right=types.int64, chunk=types.int64,
         mask=types.Array(types.bool_, 4, "A", readonly=True), mask_map=index1,
         mask_args=mask_args, block_states=types.Array(types.int8, 4, "A", readonly=True),
         block_q=types.int64, block_k=types.int64,

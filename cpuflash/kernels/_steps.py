@@ -384,13 +384,31 @@ def band_mask_tile(scores, rows, cols, offset, left, right, lo_off, hi_off):
         diag = r + offset  # the tile column under row r's diagonal
         first = min(cols, max(0, diag - left)) if left >= 0 else 0
         end = min(cols, max(0, diag + right + 1)) if right >= 0 else cols
-        span0, span1 = row_span(r, cols, lo_off, hi_off, n)
-        base = r * scores.shape[1]
-        before = min(span1, round_up(first, n))  # vectors holding a column left of the band
-        for c in range(span0, before, n):
-            _hide_outside(scores, base + c, first - c, end - c)
-        for c in range(max(before, end // n * n), span1, n):  # ... right of it
-            _hide_outside(scores, base + c, first - c, end - c)
+        _keep_columns(scores, r, cols, first, end, lo_off, hi_off, n)
+
+
+@jit
+def chunk_mask_tile(scores, rows, cols, diag0, kb, chunk, lo_off, hi_off):
+    """Hide the keys outside each row's chunk of `chunk` positions (row r sits at key position
+    diag0 + r; the tile's columns are keys kb ..), as `band_mask_tile` hides the band's."""
+    n = lanes(scores)
+    for r in range(rows):
+        start = (diag0 + r) // chunk * chunk - kb  # the tile column the row's chunk starts at
+        first, end = min(cols, max(0, start)), min(cols, max(0, start + chunk))
+        _keep_columns(scores, r, cols, first, end, lo_off, hi_off, n)
+
+
+@jit
+def _keep_columns(scores, r, cols, first, end, lo_off, hi_off, n):
+    """-inf in row r's columns outside first .. end - 1, in the whole vectors of its span that
+    hold such columns (with exact spans, just its first and last vector)."""
+    span0, span1 = row_span(r, cols, lo_off, hi_off, n)
+    base = r * scores.shape[1]
+    before = min(span1, round_up(first, n))  # vectors holding a column left of the band
+    for c in range(span0, before, n):
+        _hide_outside(scores, base + c, first - c, end - c)
+    for c in range(max(before, end // n * n), span1, n):  # ... right of it
+        _hide_outside(scores, base + c, first - c, end - c)
 
 
 @jit
@@ -728,11 +746,12 @@ def finish_rows(acc, row_max, row_sum, rows, sink, out, lse, b, h, start, half_k
 #    tile
 
 @jit
-def block_band(diag0, rows, kb, cols, left, right):
+def block_band(diag0, rows, kb, cols, left, right, chunk):
     """``(inside, lo_off, hi_off)`` of the key block ``kb .. kb + cols - 1`` for `rows` query
-    rows from diagonal `diag0`: whether every row sees every key of it, and the band of tile
-    columns row r sees, ``r + lo_off .. r + hi_off`` (+-UNBOUNDED inside; see `qk_tile`)."""
-    inside = sees_all(diag0, rows, kb, cols, left, right)
+    rows from diagonal `diag0`: whether every row sees every key of it (its window and chunk),
+    and the window's band of tile columns row r sees, ``r + lo_off .. r + hi_off``
+    (+-UNBOUNDED inside; see `qk_tile`)."""
+    inside = sees_all(diag0, rows, kb, cols, left, right, chunk)
     lo_off = diag0 - kb - left if left >= 0 and not inside else -UNBOUNDED
     hi_off = diag0 - kb + right if right >= 0 and not inside else UNBOUNDED
     return inside, lo_off, hi_off
@@ -808,6 +827,8 @@ def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
     # -- visibility
     if not inside:
         band_mask_tile(scores, rows, cols, diag0 - kb, left, right, lo_off, hi_off)
+        if mods.chunk > 0:
+            chunk_mask_tile(scores, rows, cols, diag0, kb, mods.chunk, lo_off, hi_off)
     if mask.shape[0] > 0:
         bool_mask_tile(scores, mask, mods.mask_map[seq], h, q0, kb, rows, cols, lo_off, hi_off)
     if state == _user.PARTIAL:
@@ -847,12 +868,14 @@ def masks_keys(mods, state):
 
 @jit
 def key_visible(mods, at, r, c):
-    """Whether the bool mask and the user's `mask_mod` let row r of a tile see its column c
-    (``at`` as `score_tile` takes it; the band is checked by the caller)."""
+    """Whether the chunks, the bool mask and the user's `mask_mod` let row r of a tile see its
+    column c (``at`` as `score_tile` takes it; the window's band is checked by the caller)."""
     if mods is None:  # a call with no modifier but its band (`kernels.forward.PLAIN`)
         return True
     mask = mods.mask
     seq, h, q0, kb, diag0, b, state = at
+    if mods.chunk > 0 and (diag0 + r) // mods.chunk != (kb + c) // mods.chunk:
+        return False
     if mask.shape[0] > 0 and not mask[mods.mask_map[seq], h, q0 + r, kb + c]:
         return False
     if state == _user.PARTIAL:

@@ -137,7 +137,8 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
             # -- the query tiles that see a key of this block: `visible_keys` from the
             # keys' side (key j is seen by the rows j - shift - right .. j - shift +
             # left), tiles at multiples of block_q
-            q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, block_q)
+            q_lo, q_hi = _steps.visible_keys(k0 - shift, cols, n_q, right, left, mods.chunk,
+                                             shift, block_q)
 
             # -- this block's keys and values, once for every query head of the group
             _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
@@ -163,7 +164,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                         continue
                     diag0 = q0 + shift
                     inside, lo_off, hi_off = _steps.block_band(diag0, rows, k0, cols, left,
-                                                               right)
+                                                               right, mods.chunk)
                     band = (inside, lo_off, hi_off, left, right)
                     _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows,
                                      q_tile, do_tile, lse_rows, delta_rows, half_kind)
@@ -255,7 +256,8 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
         diag0 = q0 + n_k - n_q
 
         # -- the keys some row of this tile sees, in blocks at multiples of block_k
-        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, mods.chunk, 0,
+                                             block_k)
 
         _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
                          do_tile, lse_rows, delta_rows, half_kind)
@@ -271,7 +273,8 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
                      else _user.tile_state(mods, batch_q, h, q0, rows, kb, cols))
             if state == _user.EMPTY:
                 continue
-            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right,
+                                                       mods.chunk)
             band = (inside, lo_off, hi_off, left, right)
 
             # -- the block's keys (as panels and as rows) and values
@@ -336,7 +339,8 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
             hk = h // group
             rows = min(block_q, n_q - q0)
             diag0 = q0 + n_k - n_q
-            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, block_k)
+            k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, mods.chunk, 0,
+                                             block_k)
             _load_query_tile(q, dout, lse, delta, batch_q, h, q_start + q0, rows, q_tile,
                              do_tile, lse_rows, delta_rows, half_kind)
             for kb in range(k_lo, k_hi, block_k):
@@ -344,7 +348,8 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
                 state = _user.tile_state(mods, batch_q, h, q0, rows, kb, cols)
                 if state == _user.EMPTY:
                     continue
-                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+                inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left,
+                                                           right, mods.chunk)
                 _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
                 _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
                 at = (seq, h, q0, kb, diag0, batch_q, state)

@@ -190,7 +190,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
         n_k = n_keys[b]
         shift = n_k - n_q  # bottom-right alignment, per batch entry
-        seen_lo, seen_hi = _steps.visible_keys(shift, n_q, n_k, left, right, block_k)
+        seen_lo, seen_hi = _steps.visible_keys(shift, n_q, n_k, left, right, mods.chunk, 0,
+                                                block_k)
         k_lo = max(split * split_len, seen_lo)
         k_hi = min(split * split_len + split_len, seen_hi)
 
@@ -231,7 +232,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
 
             # -- score modifiers and visibility, the rows of one query head at a time (they
             # share its modifiers; row r's diagonal is r + shift)
-            inside = _steps.sees_all(shift, n_q, kb, cols, left, right)
+            inside = _steps.sees_all(shift, n_q, kb, cols, left, right, mods.chunk)
             band = (inside, -_layout.UNBOUNDED, _layout.UNBOUNDED, left, right)
             # (no KV-cache call has a block mask: the state is every head's)
             state = _user.PARTIAL if _user.has_mask_mod(mods.functions) else _user.FULL

@@ -85,7 +85,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
         # start at multiples of block_k whatever the tile (key_align = block_k); or, for a
         # narrow window (`tiling.band_tiles`), the tile's whole band is one block from a
         # multiple of key_align, which holds each row's whole band.
-        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, key_align)
+        k_lo, k_hi = _steps.visible_keys(diag0, rows, n_k, left, right, mods.chunk, 0,
+                                         key_align)
 
         if pairs:
             _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs, q_scale)
@@ -106,7 +107,8 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
             # -- the band of this block each row sees (tile columns r + lo_off ..
             # r + hi_off); blocks inside it need no element masks, and on its edges whole
             # panels are skipped
-            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right)
+            inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left, right,
+                                                       mods.chunk)
             # -- a partial tile of a `mask_mod`: its answers first, then only the box that
             # holds every visible pair: the rows below it keep their state (as they would
             # with every score -inf), the products and P V leave out the key panels beside
