@@ -134,7 +134,11 @@ def step_calls(q_chunks, k_chunks, *, offset=0, causal=False, window=None, fuse=
               for _, n_k, g_k in k_chunks] for _, n_q, g_q in q_chunks]
     n_q_all = sum(n for _, n, _ in q_chunks)
     n_k_all = sum(n for _, n, _ in k_chunks)
-    plain = [all(p is not None and p.plain for p in row) for row in pairs]
+    # joined only where the call is both chunks whole: beside a one-key (or one-query) chunk a
+    # plain call may have dropped the rows that see nothing
+    plain = [all(p is not None and p.plain and (p.n_q, p.n_k) == (n_q, n_k)
+                 for p, (_, n_k, _) in zip(row, k_chunks))
+             for row, (_, n_q, _) in zip(pairs, q_chunks)]
     if fuse and all(plain) and n_q_all and n_k_all:
         return [(0, 0, PairCall(n_q_all, n_k_all, False, None, None))]
     calls = []

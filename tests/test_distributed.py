@@ -48,7 +48,8 @@ def global_rows(rank, n_rows, size, balance):
 def test_steps_compute_every_visible_pair_once(balance, size, fuse):
     """Over all ranks and ring steps, the planned calls cover each visible (query, key) pair of
     the whole sequence exactly once and no other, and their shift gives the global distance."""
-    for part_q, part_k in [(2, 2), (6, 6), (4, 8), (8, 4), (10, 10)]:
+    # (4, 2) and (2, 4): zigzag chunks of one key (query) beside chunks of two
+    for part_q, part_k in [(2, 2), (6, 6), (4, 8), (8, 4), (10, 10), (4, 2), (2, 4)]:
         n_q, n_k = part_q * size, part_k * size
         offset = n_k - n_q
         for causal in (False, True):
@@ -237,6 +238,20 @@ def test_one_rank_is_the_single_node_call(rng):
                                                             causal=True)):
         np.testing.assert_array_equal(got, want)
     assert timings["steps"] == 1 and timings["bytes_sent"] == 0
+
+
+@pytest.mark.parametrize("window", [(0, 4), (0, -1)])
+def test_one_key_chunks_are_not_joined_when_some_rows_see_nothing(rng, window):
+    """One rank, zigzag: keys in chunks of one, queries in chunks of two. The last query
+    (position 3 + Nk - Nq = 1) sees only the second key, so the call of the second query
+    chunk with the first key is a plain call of one row, and the chunk must not be joined into
+    one plain call over both keys."""
+    q = rng.standard_normal((1, 1, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 1, 2, 8)).astype(np.float32) for _ in range(2))
+    out, lse = distributed.ring_attention(q, k, v, window=window, return_lse=True)
+    expected, expected_lse = cpuflash.attention(q, k, v, window=window, return_lse=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("call, exc, match", [
