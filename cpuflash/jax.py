@@ -44,6 +44,7 @@ class _Options(NamedTuple):
     causal: bool
     scale: float | None
     window: tuple | None
+    chunk_size: int | None
     softcap: float
     bshd: bool
     ndim: int  # of q without vmap's axes (at least 3)
@@ -74,7 +75,7 @@ def _operands(options, arrays, others):
 
 def _keywords(options, extras):
     return dict(causal=options.causal, scale=options.scale, window=options.window,
-                softcap=options.softcap, **extras)
+                chunk_size=options.chunk_size, softcap=options.softcap, **extras)
 
 
 def _bhsd(options, x):
@@ -141,7 +142,7 @@ def _bias_gradient(options, dbias, dout, q, k, v, out, lse, extras):
         kv_index = index[:-1] + (index[-1] // group,)
         s, _ = reference.scores(
             q[index], k[kv_index], causal=options.causal, scale=options.scale,
-            window=options.window, softcap=options.softcap,
+            window=options.window, chunk_size=options.chunk_size, softcap=options.softcap,
             alibi_slopes=None if alibi is None else alibi[index], bias=bias[index],
             mask=None if mask is None else mask[index])
         row_lse = lse[index].astype(np.float64)[:, None]
@@ -234,8 +235,9 @@ def _with_leading_ones(x, ndim):
     return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-              bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
+              alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+              return_lse=False):
     """`cpuflash.attention` for jax arrays on the CPU, under `jax.jit`, `jax.grad` and `jax.vmap`.
 
     Parameters
@@ -244,10 +246,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         As `cpuflash.attention` takes them: ``(..., Hq, Nq, D)``, ``(..., Hk, Nk, D)``,
         ``(..., Hk, Nk, Dv)`` (``(B, N, H, D)`` with ``layout="bshd"``); float32, float64,
         float16 or bfloat16.
-    causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout
+    causal, scale, window, chunk_size, softcap, alibi_slopes, bias, mask, sinks, layout
         The keywords of `cpuflash.attention` (``causal`` aligned bottom-right, as in flash-attn;
         `dot_product_attention` has jax's top-left alignment). Static: `causal`, `scale`,
-        `window`, `softcap`, `layout`.
+        `window`, `chunk_size`, `softcap`, `layout`.
     return_lse : bool
         Also return the log-sum-exp (float32, float64 for float64 inputs). It carries no
         gradient: differentiating a loss through it is a TypeError.
@@ -271,8 +273,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     # rather than inside XLA
     _validate.attention_args(
         *map(_placeholder, (q, k, v)), causal=causal, scale=scale, window=window,
-        softcap=softcap, **dict(zip(_EXTRAS, map(_placeholder, extras))), layout=layout,
-        return_lse=return_lse)
+        chunk_size=chunk_size, softcap=softcap, **dict(zip(_EXTRAS, map(_placeholder, extras))),
+        layout=layout, return_lse=return_lse)
     squeeze = layout == "bhsd" and q.ndim == 2
     if squeeze:  # one head: a heads axis, so that vmap's axes are never taken for heads
         q, k, v = q[None], k[None], v[None]
@@ -283,7 +285,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     options = _Options(
         causal=bool(causal), scale=None if scale is None else float(scale),
         window=None if window is None else tuple(int(side) for side in window),
-        softcap=float(softcap), bshd=layout == "bshd", ndim=q.ndim,
+        chunk_size=None if chunk_size is None else int(chunk_size), softcap=float(softcap),
+        bshd=layout == "bshd", ndim=q.ndim,
         present=tuple(x is not None for x in (bias, mask, alibi, sinks)))
     out, lse = _attention(options, q, k, v, (bias, mask, alibi, sinks))
     if squeeze:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _call, _extras, api, flex
+from . import _call, _extras, _validate, api, flex
 
 try:
     import torch
@@ -74,17 +74,18 @@ def _score_keywords(causal, scale, window_left, window_right, softcap, alibi_slo
 
 
 def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-              sinks, layout):
-    """The keywords of `cpuflash.attention` / `attention_backward`, as numpy views."""
+              sinks, layout, chunk_size):
+    """The keywords of `cpuflash.attention` / `attention_backward`, as numpy views (an
+    operator's `chunk_size` 0 is None)."""
     return dict(_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes),
                 bias=_as_numpy(bias), mask=_as_numpy(mask), sinks=_as_numpy(sinks),
-                layout=layout)
+                layout=layout, chunk_size=chunk_size or None)
 
 
 # -- the forward operator
 
 def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias,
-             mask, sinks, layout):
+             mask, sinks, layout, chunk_size):
     """The forward's work, shared by the operator and the eager path: (out, lse) tensors."""
     # (a tuple: slicing a torch.Size costs more; measured: docs/history.md, "Per-call cost",
     # small calls)
@@ -92,7 +93,7 @@ def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_s
     _, lse = api.attention(
         _as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True, out=_as_numpy(out),
         **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-                    sinks, layout))
+                    sinks, layout, chunk_size))
     return out, torch.from_numpy(np.ascontiguousarray(lse))
 
 
@@ -100,14 +101,14 @@ def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_s
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float],
                   window_left: int, window_right: int, softcap: float,
                   alibi_slopes: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
-                  sinks: Optional[Tensor], layout: str) -> tuple[Tensor, Tensor]:
+                  sinks: Optional[Tensor], layout: str, chunk_size: int) -> tuple[Tensor, Tensor]:
     return _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes,
-                    bias, mask, sinks, layout)
+                    bias, mask, sinks, layout, chunk_size)
 
 
 @_attention_op.register_fake
 def _(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-      sinks, layout):
+      sinks, layout, chunk_size):
     shape, dtype = _lse_meta(q, layout)
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(shape, dtype=dtype)
 
@@ -115,7 +116,7 @@ def _(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, 
 # -- the backward operator
 
 def _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap,
-               alibi_slopes, bias, mask, sinks, layout):
+               alibi_slopes, bias, mask, sinks, layout, chunk_size):
     """The backward's work, shared by the operator and the eager path: (dq, dk, dv, dsinks),
     dsinks None without sinks."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -123,7 +124,7 @@ def _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right
         _as_numpy(dout), _as_numpy(q), _as_numpy(k), _as_numpy(v), _as_numpy(out),
         _as_numpy(lse), dq=_as_numpy(dq), dk=_as_numpy(dk), dv=_as_numpy(dv),
         **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-                    sinks, layout))
+                    sinks, layout, chunk_size))
     if sinks is None:
         return dq, dk, dv, None
     # float32 from the kernels; the gradient takes the parameter's dtype
@@ -135,10 +136,11 @@ def _attention_backward_op(
         dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
         scale: Optional[float], window_left: int, window_right: int, softcap: float,
         alibi_slopes: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
-        sinks: Optional[Tensor], layout: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        sinks: Optional[Tensor], layout: str,
+        chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, causal, scale, window_left,
                                     window_right, softcap, alibi_slopes, bias, mask, sinks,
-                                    layout)
+                                    layout, chunk_size)
     if dsinks is None:  # (an operator returns tensors)
         dsinks = q.new_empty(0, dtype=torch.float32)
     return dq, dk, dv, dsinks
@@ -146,7 +148,7 @@ def _attention_backward_op(
 
 @_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap, alibi_slopes,
-      bias, mask, sinks, layout):
+      bias, mask, sinks, layout, chunk_size):
     dsinks = q.new_empty(0, dtype=torch.float32) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
@@ -155,11 +157,11 @@ def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-     sinks, layout) = inputs
+     sinks, layout, chunk_size) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, mask, sinks)
     ctx.options = (causal, scale, window_left, window_right, softcap)
-    ctx.layout = layout
+    ctx.layout, ctx.chunk_size = layout, chunk_size
     ctx.mark_non_differentiable(lse)
 
 
@@ -169,9 +171,9 @@ def _backward_through(gradients):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
-                                       bias, mask, sinks, ctx.layout)
+                                       bias, mask, sinks, ctx.layout, ctx.chunk_size)
         return (dq, dk, dv, None, None, None, None, None, None, None, None,
-                dsinks if sinks is not None else None, None)
+                dsinks if sinks is not None else None, None, None)
     return backward
 
 
@@ -254,8 +256,9 @@ def _window_sides(window, name="window"):
     return left, right
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
-              bias=None, mask=None, sinks=None, layout="bhsd", return_lse=False):
+def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
+              alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+              return_lse=False):
     """`cpuflash.attention` for CPU torch tensors, differentiable in q, k, v and sinks.
 
     Parameters
@@ -264,7 +267,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
         As `cpuflash.attention` takes them: ``(..., Hq, Nq, D)``, ``(..., Hk, Nk, D)``,
         ``(..., Hk, Nk, Dv)`` (``(B, N, H, D)`` with ``layout="bshd"``); float32, float64,
         float16 or bfloat16.
-    causal, scale, window, softcap, alibi_slopes, bias, mask, sinks, layout
+    causal, scale, window, chunk_size, softcap, alibi_slopes, bias, mask, sinks, layout
         The keywords of `cpuflash.attention` (``causal`` aligned bottom-right, as in flash-attn).
         `alibi_slopes`, `bias` and `mask` are constants (no gradient); `sinks` gets one.
     return_lse : bool
@@ -282,7 +285,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, al
     if scale is not None:
         scale = float(scale)
     out, lse = _run_attention(q, k, v, bool(causal), scale, left, right, float(softcap),
-                              alibi_slopes, bias, mask, sinks, layout)
+                              alibi_slopes, bias, mask, sinks, layout,
+                              _validate.chunk_value(chunk_size))
     return (out, lse) if return_lse else out
 
 
@@ -353,7 +357,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     # (`attention` without its checks, which the ones above cover)
     out, _ = _run_attention(query, key, value, causal, scale, -1, right, 0.0, None, bias, mask,
-                            None, "bhsd")
+                            None, "bhsd", 0)
     return out[0] if out_dims == 2 else out  # 2-D inputs were given a head axis
 
 

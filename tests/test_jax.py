@@ -38,6 +38,7 @@ CASES = {
     "causal Nq < Nk": ({"causal": True}, {"n_q": 37, "n_k": 53}),
     "causal Nq > Nk": ({"causal": True}, {"n_q": 53, "n_k": 37}),
     "window": ({"window": (7, 3)}, {}),
+    "chunks": ({"causal": True, "chunk_size": 9}, {"n_q": 37, "n_k": 53}),
     "softcap + alibi": ({"softcap": 2.0, "alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05],
                                                                     dtype=np.float32)}, {}),
     "bias + mask": ({"bias": "bias", "mask": "mask"}, {}),

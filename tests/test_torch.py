@@ -39,6 +39,7 @@ ATTENTION_CASES = {
     "causal": ({"causal": True}, {}),
     "causal Nq > Nk": ({"causal": True}, {"n_q": 9, "n_k": 4}),
     "window": ({"window": (2, 1)}, {}),
+    "chunks": ({"causal": True, "chunk_size": 3}, {"n_q": 9, "n_k": 11}),
     "softcap": ({"softcap": 1.5}, {}),
     "gqa": ({"causal": True}, {"heads_q": 4, "heads_k": 2}),
     "bshd": ({"causal": True, "layout": "bshd"}, {"layout": "bshd"}),
@@ -114,22 +115,24 @@ def test_opcheck_forward(gen):
     sinks = randn(gen, 4)
     mask = torch.rand(5, 7, generator=gen) < 0.7
     op = torch.ops.cpuflash.attention.default
-    torch.library.opcheck(op, (q, k, v, True, None, -1, -1, 0.0, None, None, None, None, "bhsd"))
-    torch.library.opcheck(op, (q, k, v, False, 0.5, 3, 2, 2.0, None, None, mask, sinks, "bhsd"))
+    torch.library.opcheck(op, (q, k, v, True, None, -1, -1, 0.0, None, None, None, None, "bhsd",
+                               0))
+    torch.library.opcheck(op, (q, k, v, False, 0.5, 3, 2, 2.0, None, None, mask, sinks, "bhsd",
+                               4))
     qb, kb, vb = qkv(gen, layout="bshd")
     torch.library.opcheck(op, (qb, kb, vb, True, None, -1, -1, 0.0, None, None, None, None,
-                               "bshd"))
+                               "bshd", 0))
 
 
 def test_opcheck_backward(gen):
     q, k, v = qkv(gen, grad=False)
     sinks = torch.randn(2, generator=gen, dtype=torch.float64)
     out, lse = torch.ops.cpuflash.attention(q, k, v, True, None, -1, -1, 0.0, None, None, None,
-                                            sinks, "bhsd")
+                                            sinks, "bhsd", 3)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cpuflash.attention_backward.default,
                           (dout, q, k, v, out, lse, True, None, -1, -1, 0.0, None, None, None,
-                           sinks, "bhsd"))
+                           sinks, "bhsd", 3))
 
 
 def test_eager_calls_skip_the_operator_with_its_bits(gen):
@@ -137,11 +140,11 @@ def test_eager_calls_skip_the_operator_with_its_bits(gen):
     same outputs and gradients, bit for bit, as the operator gives, sinks included."""
     q, k, v = qkv(gen, heads_q=4, heads_k=2, dtype=torch.float32)
     sinks = randn(gen, 4, dtype=torch.float32)
-    options = (True, None, -1, -1, 1.5, None, None, None, sinks, "bhsd")
+    options = (True, None, -1, -1, 1.5, None, None, None, sinks, "bhsd", 0)
 
     def run(fn):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
-        out, lse = fn(*leaves[:3], *options[:8], leaves[3], options[9])
+        out, lse = fn(*leaves[:3], *options[:8], leaves[3], *options[9:])
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return out, lse, [x.grad for x in leaves]
 
