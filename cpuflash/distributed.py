@@ -15,7 +15,9 @@ Positions are global. A (query chunk, key chunk) pair is one call of the single-
 rules align the diagonal bottom-right within that call; `pair_call` turns the global rule
 (causal, window, ALiBi) into that call's arguments: a pair wholly past the rule is skipped, a
 band that misses the call's own diagonal is sliced until it touches it, and ALiBi off the
-diagonal becomes a Toeplitz `bias` view of O(N) memory.
+diagonal becomes a Toeplitz `bias` view of O(N) memory. With `chunk_size` a pair is first cut
+at the edges of the whole sequence's local chunks (`local_pieces`; a call's own chunks would
+start at its first key), and a pair that shares no local chunk is skipped.
 
 The backward moves the dK/dV accumulators around the ring behind their K/V: each rank adds its
 contribution (`cpuflash.attention_backward` on that key part, with the global `out` and `lse`,
@@ -32,7 +34,7 @@ import time
 import numpy as np
 
 import cpuflash
-from cpuflash import _extras
+from cpuflash import _extras, _validate
 
 try:
     from mpi4py import MPI
@@ -123,30 +125,76 @@ def chunks(rank, n_rows, size, balance):
     return [(0, n_rows, rank * n_rows)]
 
 
-def step_calls(q_chunks, k_chunks, *, offset=0, causal=False, window=None, fuse=True):
+def local_pieces(g_q, n_q, g_k, n_k, chunk_size, offset=0):
+    """Queries ``g_q + [0, n_q)`` and keys ``g_k + [0, n_k)`` cut at the edges of the local
+    chunks of `chunk_size` positions (a query's position is its row plus `offset`, the rule's
+    bottom-right alignment): ``[(q_lo, n_q, k_lo, n_k)]`` counted from the pair's first rows,
+    one piece per local chunk that both meet, in order; the pieces' rows are disjoint. The
+    whole pair when `chunk_size` is None.
+
+    A call's own `chunk_size` would cut its keys from its first one, not at the global edges,
+    so a pair is computed as its pieces, each without `chunk_size`.
+    """
+    if chunk_size is None:
+        return [(0, n_q, 0, n_k)]
+    if n_q <= 0 or n_k <= 0:
+        return []
+    q_pos = g_q + offset
+    first = max(q_pos, g_k) // chunk_size
+    last = (min(q_pos + n_q, g_k + n_k) - 1) // chunk_size
+    pieces = []
+    for c in range(first, last + 1):
+        lo, hi = c * chunk_size, (c + 1) * chunk_size
+        q_lo, k_lo = max(q_pos, lo), max(g_k, lo)
+        pieces.append((q_lo - q_pos, min(q_pos + n_q, hi) - q_lo,
+                       k_lo - g_k, min(g_k + n_k, hi) - k_lo))
+    return pieces
+
+
+def _pair_calls(g_q, n_q, g_k, n_k, *, offset, causal, window, chunk_size):
+    """The calls of one (query chunk, key chunk) pair: ``[(q_lo, k_lo, PairCall)]`` counted
+    from the pair's first rows."""
+    calls = []
+    for q_lo, m_q, k_lo, m_k in local_pieces(g_q, n_q, g_k, n_k, chunk_size, offset):
+        p = pair_call(g_q + q_lo, m_q, g_k + k_lo, m_k, offset=offset, causal=causal,
+                      window=window)
+        if p is not None:
+            calls.append((q_lo, k_lo, p))
+    return calls
+
+
+def step_calls(q_chunks, k_chunks, *, offset=0, causal=False, window=None, chunk_size=None,
+               fuse=True):
     """The calls of one ring step: ``[(q_lo, k_lo, PairCall)]`` with rows counted in the parts.
 
-    With `fuse`, pairs without a position rule are joined: one call for a query chunk that sees
-    every key chunk whole, one call for the parts when every pair is so. ALiBi needs positions,
-    so it is computed pair by pair (``fuse=False``).
+    With `chunk_size`, each pair is cut into its `local_pieces` first. With `fuse`, pairs
+    without a position rule are joined: one call for a query chunk that sees every key chunk
+    whole, one call for the parts when every pair is so. ALiBi needs positions, so it is
+    computed pair by pair (``fuse=False``).
     """
-    pairs = [[pair_call(g_q, n_q, g_k, n_k, offset=offset, causal=causal, window=window)
+    pairs = [[_pair_calls(g_q, n_q, g_k, n_k, offset=offset, causal=causal, window=window,
+                          chunk_size=chunk_size)
               for _, n_k, g_k in k_chunks] for _, n_q, g_q in q_chunks]
     n_q_all = sum(n for _, n, _ in q_chunks)
     n_k_all = sum(n for _, n, _ in k_chunks)
-    # joined only where the call is both chunks whole: beside a one-key (or one-query) chunk a
-    # plain call may have dropped the rows that see nothing
-    plain = [all(p is not None and p.plain and (p.n_q, p.n_k) == (n_q, n_k)
-                 for p, (_, n_k, _) in zip(row, k_chunks))
+
+    def whole(calls, n_q, n_k):
+        # joined only where the one call is both chunks whole: beside a one-key (or one-query)
+        # chunk a plain call may have dropped the rows that see nothing
+        p = calls[0][2] if len(calls) == 1 else None
+        return p is not None and p.plain and (p.n_q, p.n_k) == (n_q, n_k)
+
+    plain = [all(whole(calls, n_q, n_k) for calls, (_, n_k, _) in zip(row, k_chunks))
              for row, (_, n_q, _) in zip(pairs, q_chunks)]
     if fuse and all(plain) and n_q_all and n_k_all:
         return [(0, 0, PairCall(n_q_all, n_k_all, False, None, None))]
     calls = []
-    for (q_lo, n_q, _), row, whole in zip(q_chunks, pairs, plain):
-        if fuse and whole and n_k_all:
+    for (q_lo, n_q, _), row, joined in zip(q_chunks, pairs, plain):
+        if fuse and joined and n_k_all:
             calls.append((q_lo, 0, PairCall(n_q, n_k_all, False, None, None)))
             continue
-        calls.extend((q_lo, k_lo, p) for (k_lo, _, _), p in zip(k_chunks, row) if p is not None)
+        calls.extend((q_lo + q_in, k_lo + k_in, p)
+                     for (k_lo, _, _), pieces in zip(k_chunks, row) for q_in, k_in, p in pieces)
     return calls
 
 
@@ -244,8 +292,8 @@ def _divides(name, n_rows, size, balance):
                          f"must be even (the sequence length a multiple of 2P = {2 * size})")
 
 
-def _forward_check(q, k, v, *, causal, scale, window, softcap, alibi_slopes, layout, balance,
-                   size):
+def _forward_check(q, k, v, *, causal, scale, window, chunk_size, softcap, alibi_slopes, layout,
+                   balance, size):
     """This rank's check of the forward's arguments (the single-node API checks what it can
     on the parts' first zero rows: dtypes, heads, head dims, scalars, slopes)."""
     q, k, v = _array("q", q), _array("k", k), _array("v", v)
@@ -258,8 +306,8 @@ def _forward_check(q, k, v, *, causal, scale, window, softcap, alibi_slopes, lay
             raise ValueError(f"`{name}` must be {expected} with layout={layout!r}, got shape "
                              f"{x.shape}")
     cpuflash.attention(*(_rows(x, _seq_axis(x, layout), 0, 0) for x in (q, k, v)),
-                       causal=causal, scale=scale, window=window, softcap=softcap,
-                       alibi_slopes=alibi_slopes, layout=layout)
+                       causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, layout=layout)
     axis = _seq_axis(q, layout)
     _divides("q", q.shape[axis], size, balance)
     _divides("k", k.shape[axis], size, balance)
@@ -291,6 +339,7 @@ class _Ring:
     balance: str
     causal: bool
     window: object
+    chunk_size: object  # an int, or None
     alibi: object  # slopes in the compute dtype, or None
     keywords: dict  # scale and softcap
     compute_dtype: object
@@ -310,7 +359,8 @@ class _Ring:
         ``[(q_lo, k_lo, PairCall, keywords)]``."""
         k_chunks = chunks(source, self.n_k, self.size, self.balance)
         found = step_calls(self.q_chunks, k_chunks, offset=self.offset, causal=self.causal,
-                           window=self.window, fuse=self.alibi is None)
+                           window=self.window, chunk_size=self.chunk_size,
+                           fuse=self.alibi is None)
         result = []
         for q_lo, k_lo, p in found:
             keywords = dict(self.keywords, causal=p.causal, window=p.window)
@@ -355,13 +405,14 @@ def _bytes(x):
     return x.reshape(-1).view(np.uint8)
 
 
-def _make_ring(comm, q, k, layout, balance, causal, window, alibi_slopes, scale, softcap,
-               timings):
+def _make_ring(comm, q, k, layout, balance, causal, window, chunk_size, alibi_slopes, scale,
+               softcap, timings):
     compute = np.float64 if q.dtype == np.float64 else np.float32
     axis = _seq_axis(q, layout)
     alibi = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=compute)
     return _Ring(comm=comm, size=comm.Get_size(), rank=comm.Get_rank(), layout=layout,
-                 balance=balance, causal=bool(causal), window=window, alibi=alibi,
+                 balance=balance, causal=bool(causal), window=window,
+                 chunk_size=_validate.chunk_value(chunk_size) or None, alibi=alibi,
                  keywords=dict(scale=scale, softcap=softcap), compute_dtype=compute,
                  n_q=q.shape[axis], n_k=k.shape[_seq_axis(k, layout)],
                  timings={} if timings is None else timings)
@@ -396,14 +447,14 @@ def _circulate(ring, own, work):
                 spare = sending  # its send is complete: the next part lands there
 
 
-def ring_attention(q, k, v, *, comm=None, causal=False, scale=None, window=None, softcap=0.0,
-                   alibi_slopes=None, layout="bhsd", return_lse=False, balance="zigzag",
-                   timings=None):
+def ring_attention(q, k, v, *, comm=None, causal=False, scale=None, window=None,
+                   chunk_size=None, softcap=0.0, alibi_slopes=None, layout="bhsd",
+                   return_lse=False, balance="zigzag", timings=None):
     """Exact attention over a sequence spread across the ranks of `comm`, on a ring.
 
     Each rank passes its part of q, k, v (see `shard`) and gets its part of what
     `cpuflash.attention` gives over the whole sequence, with positions global (causal,
-    `window` and ALiBi as for the whole sequence).
+    `window`, `chunk_size` and ALiBi as for the whole sequence).
 
     Parameters
     ----------
@@ -415,8 +466,9 @@ def ring_attention(q, k, v, *, comm=None, causal=False, scale=None, window=None,
     comm : mpi4py intracommunicator, optional
         The ranks (``MPI.COMM_WORLD`` when None). Every rank calls with the same keywords and
         parts of the same shape.
-    causal, scale, window, softcap, alibi_slopes, layout
-        As in `cpuflash.attention`, for the whole sequence (``Nq`` by ``Nk`` rows).
+    causal, scale, window, chunk_size, softcap, alibi_slopes, layout
+        As in `cpuflash.attention`, for the whole sequence (``Nq`` by ``Nk`` rows): with
+        `chunk_size` a query sees the keys of its own chunk of the whole sequence's positions.
     return_lse : bool
         Also return this rank's part of the log-sum-exp.
     balance : {"zigzag", "contiguous"}
@@ -443,13 +495,13 @@ def ring_attention(q, k, v, *, comm=None, causal=False, scale=None, window=None,
     """
     comm = _communicator(comm)
     size = comm.Get_size()
-    keywords = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, layout=layout, balance=balance)
+    keywords = dict(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, balance=balance)
     q, k, v = _agree(
         comm, lambda: _forward_check(q, k, v, size=size, **keywords),
         lambda args: _forward_signature(args, return_lse=bool(return_lse), **keywords))
-    ring = _make_ring(comm, q, k, layout, balance, causal, window, alibi_slopes, scale, softcap,
-                      timings)
+    ring = _make_ring(comm, q, k, layout, balance, causal, window, chunk_size, alibi_slopes, scale,
+                      softcap, timings)
     out, lse = _forward(ring, q, k, v)
     out = np.swapaxes(out, 1, 2) if layout == "bshd" else out
     out = np.ascontiguousarray(out.astype(q.dtype, copy=False))  # half precision: rounded once
@@ -514,14 +566,15 @@ def _backward_check(dout, q, k, v, out, lse, **keywords):
                                                          _rows(v, axis, 0, 0),
                                                          _rows(out, axis, 0, 0), lse[..., :0]]
     cpuflash.attention_backward(*first, causal=keywords["causal"], scale=keywords["scale"],
-                                window=keywords["window"], softcap=keywords["softcap"],
+                                window=keywords["window"], chunk_size=keywords["chunk_size"],
+                                softcap=keywords["softcap"],
                                 alibi_slopes=keywords["alibi_slopes"], layout=layout)
     return dout, q, k, v, out, lse
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False, scale=None,
-                            window=None, softcap=0.0, alibi_slopes=None, layout="bhsd",
-                            balance="zigzag", timings=None):
+                            window=None, chunk_size=None, softcap=0.0, alibi_slopes=None,
+                            layout="bhsd", balance="zigzag", timings=None):
     """Gradients of `ring_attention` with respect to this rank's q, k, v.
 
     Parameters
@@ -533,7 +586,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False,
     out, lse : arrays
         This rank's parts of `ring_attention`'s output and log-sum-exp (``return_lse=True``)
         for the same arguments.
-    comm, causal, scale, window, softcap, alibi_slopes, layout, balance
+    comm, causal, scale, window, chunk_size, softcap, alibi_slopes, layout, balance
         `ring_attention`'s, unchanged (ALiBi is a constant: no gradient).
     timings : dict, optional
         As in `ring_attention`.
@@ -553,14 +606,14 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm=None, causal=False,
     """
     comm = _communicator(comm)
     size = comm.Get_size()
-    keywords = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, layout=layout, balance=balance)
+    keywords = dict(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                    softcap=softcap, alibi_slopes=alibi_slopes, layout=layout, balance=balance)
     checked = _agree(
         comm, lambda: _backward_check(dout, q, k, v, out, lse, size=size, **keywords),
         lambda args: _forward_signature(args[1:4], **keywords))
     dout, q, k, v, out, lse = checked
-    ring = _make_ring(comm, q, k, layout, balance, causal, window, alibi_slopes, scale, softcap,
-                      timings)
+    ring = _make_ring(comm, q, k, layout, balance, causal, window, chunk_size, alibi_slopes, scale,
+                      softcap, timings)
     # the sums are in the caller's layout already; half precision is rounded once, here
     return tuple(grad.astype(like.dtype, copy=False)
                  for grad, like in zip(_backward(ring, dout, q, k, v, out, lse), (q, k, v)))

@@ -42,40 +42,73 @@ def global_rows(rank, n_rows, size, balance):
                            distributed.chunks(rank, n_rows, size, balance)])
 
 
+def check_plan(size, balance, part_q, part_k, causal, window, fuse, chunk_size=None):
+    """Over all ranks and ring steps, the planned calls cover each visible (query, key) pair of
+    the whole sequence exactly once and no other, and their shift gives the global distance;
+    with `chunk_size`, no call spans two local chunks (its rows are never computed against
+    another chunk's keys)."""
+    n_q, n_k = part_q * size, part_k * size
+    offset = n_k - n_q
+    expected = visible(n_q, n_k, causal, window)
+    if chunk_size is not None:
+        expected &= ((np.arange(n_q)[:, None] + offset) // chunk_size
+                     == np.arange(n_k)[None, :] // chunk_size)
+    covered = np.zeros((n_q, n_k), dtype=int)
+    for rank in range(size):
+        rows_q = global_rows(rank, part_q, size, balance)
+        q_chunks = distributed.chunks(rank, part_q, size, balance)
+        for source in range(size):
+            rows_k = global_rows(source, part_k, size, balance)
+            k_chunks = distributed.chunks(source, part_k, size, balance)
+            for q_lo, k_lo, p in distributed.step_calls(
+                    q_chunks, k_chunks, offset=offset, causal=causal, window=window,
+                    chunk_size=chunk_size, fuse=fuse):
+                i = rows_q[q_lo:q_lo + p.n_q]
+                j = rows_k[k_lo:k_lo + p.n_k]
+                sees = visible(p.n_q, p.n_k, p.causal, p.window)
+                covered[np.ix_(i, j)] += sees
+                # ALiBi reads the call's own distance plus the shift
+                own = (np.arange(p.n_k)[None, :] - np.arange(p.n_q)[:, None]
+                       - (p.n_k - p.n_q))
+                whole = j[None, :] - i[:, None] - offset
+                if p.shift is not None:
+                    assert np.array_equal((own + p.shift)[sees], whole[sees])
+                if chunk_size is not None:
+                    local = np.concatenate([(i + offset) // chunk_size, j // chunk_size])
+                    assert len(set(local.tolist())) == 1, (i, j)
+    assert np.array_equal(covered, expected.astype(int)), (n_q, n_k, causal, window)
+
+
 @pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_steps_compute_every_visible_pair_once(balance, size, fuse):
-    """Over all ranks and ring steps, the planned calls cover each visible (query, key) pair of
-    the whole sequence exactly once and no other, and their shift gives the global distance."""
     # (4, 2) and (2, 4): zigzag chunks of one key (query) beside chunks of two
     for part_q, part_k in [(2, 2), (6, 6), (4, 8), (8, 4), (10, 10), (4, 2), (2, 4)]:
-        n_q, n_k = part_q * size, part_k * size
-        offset = n_k - n_q
         for causal in (False, True):
             for window in WINDOWS:
-                expected = visible(n_q, n_k, causal, window).astype(int)
-                covered = np.zeros((n_q, n_k), dtype=int)
-                for rank in range(size):
-                    rows_q = global_rows(rank, part_q, size, balance)
-                    q_chunks = distributed.chunks(rank, part_q, size, balance)
-                    for source in range(size):
-                        rows_k = global_rows(source, part_k, size, balance)
-                        k_chunks = distributed.chunks(source, part_k, size, balance)
-                        for q_lo, k_lo, p in distributed.step_calls(
-                                q_chunks, k_chunks, offset=offset, causal=causal,
-                                window=window, fuse=fuse):
-                            i = rows_q[q_lo:q_lo + p.n_q]
-                            j = rows_k[k_lo:k_lo + p.n_k]
-                            sees = visible(p.n_q, p.n_k, p.causal, p.window)
-                            covered[np.ix_(i, j)] += sees
-                            # ALiBi reads the call's own distance plus the shift
-                            own = (np.arange(p.n_k)[None, :] - np.arange(p.n_q)[:, None]
-                                   - (p.n_k - p.n_q))
-                            whole = j[None, :] - i[:, None] - offset
-                            if p.shift is not None:
-                                assert np.array_equal((own + p.shift)[sees], whole[sees])
-                assert np.array_equal(covered, expected), (n_q, n_k, causal, window)
+                check_plan(size, balance, part_q, part_k, causal, window, fuse)
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_chunked_steps_compute_every_visible_pair_once(balance, size, fuse):
+    """Local chunks of 1 position, of sizes that do not divide a part's chunks, of the parts'
+    own chunks, and longer than the sequence; Nq != Nk moves the queries' positions."""
+    for part_q, part_k in [(6, 6), (4, 8), (8, 4), (10, 10), (4, 2)]:
+        for chunk_size in (1, 3, 5, part_k // 2, 10 * part_k):
+            for causal in (False, True):
+                for window in (None, (2, 5), (5, -1), (-1, 3), (0, 0)):
+                    check_plan(size, balance, part_q, part_k, causal, window, fuse, chunk_size)
+
+
+def test_local_pieces_cut_a_pair_at_the_chunk_edges():
+    # queries at positions 5..14 against keys 2..11 in chunks of 4: chunks 1 and 2 are shared
+    assert distributed.local_pieces(5, 10, 2, 10, 4) == [(0, 3, 2, 4), (3, 4, 6, 4)]
+    # Nk - Nq = 8 moves the queries to positions 13..22, chunks 3..5: none is shared
+    assert distributed.local_pieces(5, 10, 2, 10, 4, offset=8) == []
+    assert distributed.local_pieces(5, 10, 2, 10, None) == [(0, 10, 0, 10)]
 
 
 def test_pair_call_slices_a_band_off_the_diagonal():
@@ -132,7 +165,7 @@ def warm_kernels():
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
         q, k, v = (rng.standard_normal((1, 2, 8, 4)).astype(dtype) for _ in range(3))
-        for options in (dict(causal=True), dict(window=(2, 1)),
+        for options in (dict(causal=True), dict(window=(2, 1)), dict(causal=True, chunk_size=3),
                         dict(bias=np.zeros((2, 8, 8), dtype)),
                         dict(alibi_slopes=np.ones(2, np.float32))):
             out, lse = cpuflash.attention(q, k, v, return_lse=True, **options)
@@ -192,6 +225,8 @@ ERRORS = {
     "dtype on one rank": ("TypeError", "on rank"),
     "keywords differ": ("ValueError", "`causal` must be the same on every rank"),
     "bad window": ("ValueError", "`window`"),
+    "bad chunk_size": ("ValueError", "`chunk_size` must be >= 1"),
+    "chunk_size differs": ("ValueError", "`chunk_size` must be the same on every rank"),
     "bad balance": ("ValueError", "`balance`"),
     "lse shape": ("ValueError", "`lse`"),
     "unshard shapes differ": ("ValueError", "shape of `part`"),
@@ -240,6 +275,26 @@ def test_one_rank_is_the_single_node_call(rng):
     assert timings["steps"] == 1 and timings["bytes_sent"] == 0
 
 
+@pytest.mark.parametrize("balance", ["zigzag", "contiguous"])
+def test_one_rank_chunked_is_the_single_node_call(rng, balance):
+    """One rank (this process): the pieces of the parts, cut at the local chunks' edges (7
+    divides neither 24 rows nor 12), give `attention` and `attention_backward` with
+    `chunk_size`; Nk > Nq moves the queries' positions."""
+    q = rng.standard_normal((1, 4, 24, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 30, 8)).astype(np.float32) for _ in range(2))
+    options = dict(causal=True, chunk_size=7)
+    out, lse = distributed.ring_attention(q, k, v, return_lse=True, balance=balance, **options)
+    expected, expected_lse = cpuflash.attention(q, k, v, return_lse=True, **options)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-6)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    grads = distributed.ring_attention_backward(dout, q, k, v, out, lse, balance=balance,
+                                                **options)
+    for got, want in zip(grads, cpuflash.attention_backward(dout, q, k, v, out, lse,
+                                                            **options)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [(0, 4), (0, -1)])
 def test_one_key_chunks_are_not_joined_when_some_rows_see_nothing(rng, window):
     """One rank, zigzag: keys in chunks of one, queries in chunks of two. The last query
@@ -262,6 +317,9 @@ def test_one_key_chunks_are_not_joined_when_some_rows_see_nothing(rng, window):
     (lambda q: distributed.ring_attention(q[0], q[0], q[0], layout="bshd"), ValueError,
      "`q` must be 4-D"),
     (lambda q: distributed.unshard(q, layout="thd"), ValueError, "`layout`"),
+    (lambda q: distributed.ring_attention(q, q, q, chunk_size="8"), TypeError, "`chunk_size`"),
+    (lambda q: distributed.ring_attention_backward(q, q, q, q, q, q[..., 0], chunk_size=0),
+     ValueError, "`chunk_size` must be >= 1"),
 ])
 def test_bad_input_on_one_rank(rng, call, exc, match):
     q = rng.standard_normal((1, 2, 6, 4)).astype(np.float32)

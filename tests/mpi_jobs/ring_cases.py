@@ -54,7 +54,7 @@ def dtype_named(name):
 # -- the oracle of the gradients ----------------------------------------------------------------
 
 def backward_reference(dout, q, k, v, *, dtype, causal=False, scale=None, window=None,
-                       softcap=0.0, alibi_slopes=None, layout="bhsd"):
+                       chunk_size=None, softcap=0.0, alibi_slopes=None, layout="bhsd"):
     """dq, dk, dv of `attention_reference` by the chain rule, densely, in `dtype`."""
     if layout == "bshd":
         dout, q, k, v = (np.swapaxes(x, 1, 2) for x in (dout, q, k, v))
@@ -63,7 +63,8 @@ def backward_reference(dout, q, k, v, *, dtype, causal=False, scale=None, window
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     identity = np.broadcast_to(np.eye(n_k, dtype=dtype), k.shape[:-1] + (n_k,))
     p = attention_reference(q, k, identity, causal=causal, scale=scale, window=window,
-                            softcap=softcap, alibi_slopes=alibi_slopes, dtype=dtype)
+                            chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                            dtype=dtype)
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     k_rep, v_rep = (np.repeat(x, group, axis=-3) if group > 1 else x for x in (k, v))
 
@@ -129,6 +130,16 @@ CASES = [
     ("bfloat16", ((1, 2, "n", 16),) * 3, "bfloat16", "bhsd", dict(window=(9, 0))),
     ("longer keys causal", ((1, 2, "n", 16), (1, 2, "nk", 16), (1, 2, "nk", 16)), "float32",
      "bhsd", dict(causal=True)),
+    # local chunks that divide no part (parts of 12 to 24 rows, zigzag halves of 6 to 12)
+    ("chunked causal gqa", ((1, 4, "n", 16), (1, 2, "n", 16), (1, 2, "n", 16)), "float32",
+     "bhsd", dict(causal=True, chunk_size=7)),
+    ("chunked", ((1, 2, "n", 16),) * 3, "float32", "bhsd", dict(chunk_size=10)),
+    ("chunked window longer keys", ((1, 2, "n", 16), (1, 2, "nk", 16), (1, 2, "nk", 16)),
+     "float32", "bhsd", dict(causal=True, window=(9, -1), chunk_size=20)),
+    ("bshd chunked alibi", ((2, "n", 4, 8), (2, "n", 2, 8), (2, "n", 2, 8)), "float32", "bshd",
+     dict(causal=True, chunk_size=5, alibi_slopes=SLOPES)),
+    ("float64 chunked causal", ((1, 2, "n", 16),) * 3, "float64", "bhsd",
+     dict(causal=True, chunk_size=11)),
 ]
 
 
@@ -189,17 +200,21 @@ def same_bits_again():
 def skipped_steps():
     """Steps whose keys no query of the rank sees are skipped, and the ring still turns."""
     q = np.ones((1, 1, N, 8), np.float32)
-    for balance, window, expected in (("contiguous", None, SIZE - 1 - RANK),
-                                      ("zigzag", None, 0),
-                                      # each rank sees its own part and the one before
-                                      ("contiguous", (N // SIZE - 1, 0),
-                                       SIZE - 1 if RANK == 0 else SIZE - 2)):
+    for balance, keywords, expected in (("contiguous", {}, SIZE - 1 - RANK),
+                                        ("zigzag", {}, 0),
+                                        # each rank sees its own part and the one before
+                                        ("contiguous", dict(window=(N // SIZE - 1, 0)),
+                                         SIZE - 1 if RANK == 0 else SIZE - 2),
+                                        # local chunks of a part's chunks: only its own
+                                        ("contiguous", dict(chunk_size=N // SIZE), SIZE - 1),
+                                        ("zigzag", dict(chunk_size=N // (2 * SIZE)),
+                                         SIZE - 1)):
         part = distributed.shard(q, balance=balance)
         timings = {}
-        distributed.ring_attention(part, part, part, causal=True, window=window,
-                                   balance=balance, timings=timings)
+        distributed.ring_attention(part, part, part, causal=True, balance=balance,
+                                   timings=timings, **keywords)
         assert timings["steps"] == SIZE and timings["skipped_steps"] == expected, \
-            (balance, window, timings)
+            (balance, keywords, timings)
 
 
 def peak_bytes(call):
@@ -277,6 +292,10 @@ def errors():
             parts[0], parts[1].astype(np.int32) if RANK == last else parts[1], parts[2]),
         "keywords differ": lambda: distributed.ring_attention(*parts, causal=RANK == last),
         "bad window": lambda: distributed.ring_attention(*parts, window=(-2, 3)),
+        "bad chunk_size": lambda: distributed.ring_attention_backward(
+            parts[0], *parts, parts[0], np.zeros((1, 2, N // SIZE), np.float32), chunk_size=0),
+        "chunk_size differs": lambda: distributed.ring_attention(
+            *parts, chunk_size=8 if RANK == last else None),
         "bad balance": lambda: distributed.ring_attention(*parts, balance="round robin"),
         "lse shape": lambda: distributed.ring_attention_backward(
             parts[0], *parts, parts[0], np.zeros((1, 2, 3), np.float32)),
