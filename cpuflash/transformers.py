@@ -15,10 +15,11 @@ query ``(B, Hq, Nq, D)`` and key/value ``(B, Hk, Nk, D)`` (the KV cache included
 ``(B, Nq, Hq, Dv)``, written straight into the tensor torch allocated. The mask function
 replaces the dense ``(B, 1, Nq, Nk)`` mask with what cpuflash can apply without one, whenever
 the model's mask is one of transformers' plain patterns (causal, sliding-window causal,
-bidirectional, bidirectional window) and the keys end where the queries end (every dynamic
-cache does): a tensor tagged with cpuflash's keywords for the pattern that holds only the
-padding, ``(B, 1, 1, Nk)``, a view of the model's 2-D attention mask (a placeholder of that shape
-when nothing is padded). Any other mask (packed sequences, image-token overlays, static caches,
+bidirectional, bidirectional window, and Llama 4's chunked causal when no sequence is left
+padded) and the keys end where the queries end (every dynamic cache does): a tensor tagged
+with cpuflash's keywords for the pattern that holds only the padding, ``(B, 1, 1, Nk)``, a
+view of the model's 2-D attention mask (a placeholder of that shape when nothing is padded).
+Any other mask (packed sequences, image-token overlays, left-padded chunks, static caches,
 masks a model asks to be materialized) is built by transformers as for sdpa and applied as it
 is, so the results are those of ``attn_implementation="eager"`` in every case (but for query
 rows that see no key: 0 here, as in flash-attn), and fast in the common ones. Before
@@ -46,7 +47,8 @@ __all__ = ["register", "QuantizedKVCache"]
 NAME = "cpufa"
 
 # The attribute that marks a mask built by `attention_mask_function`; it holds the keywords
-# (causal, window, mask) that give cpuflash the same visibility
+# (causal, window, chunk_size, mask) that give cpuflash the same visibility, and `skip_keys`:
+# how many leading keys of the call no query sees (dropped, so that the first key starts a chunk)
 _PATTERN = "_cpufa_keywords"
 
 # The attribute of the placeholder key tensor a `QuantizedKVCache` layer returns: the layer
@@ -143,7 +145,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     if quantized is not None:
         if not ("mask" in keywords or "bias" in keywords or keywords.get("crop_keys")
-                or torch.is_grad_enabled() and query.requires_grad):
+                or keywords.get("skip_keys") or torch.is_grad_enabled() and query.requires_grad):
             return _quantized_attention(query, quantized, sinks, keywords), None
         # padding masks, biases, gradients: the float path, on the dequantized cache
         key, value = quantized.dequantized(query.dtype)
@@ -152,8 +154,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                     or (sinks is not None and sinks.requires_grad)):
         return _differentiable(query, key, value, sinks, keywords), None
 
-    if keywords.pop("crop_keys", False):
-        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    key, value = _kept_keys(keywords, query, key, value)
     if sinks is not None:
         keywords["sinks"] = _numpy(sinks)
     bias = keywords.get("bias")
@@ -207,6 +208,17 @@ def _visibility(module, query, key, mask, is_causal):
     return {"bias": _wide(mask)}
 
 
+def _kept_keys(keywords, query, key, value):
+    """The keys and values the call reads (the visibility keywords that say so are popped):
+    the first Nq with `crop_keys`, all but the first `skip_keys` with that."""
+    if keywords.pop("crop_keys", False):
+        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    skip = keywords.pop("skip_keys", 0)
+    if skip:
+        key, value = key[:, :, skip:], value[:, :, skip:]
+    return key, value
+
+
 def _wide(bias):
     """A float bias as cpuflash adds it: float32 (float64 stays), whatever the model's dtype."""
     return bias if bias.dtype in (torch.float32, torch.float64) else bias.float()
@@ -216,8 +228,7 @@ def _differentiable(query, key, value, sinks, keywords):
     """The training path: `cpuflash.torch.attention` carries the gradients."""
     from . import torch as cpuflash_torch
 
-    if keywords.pop("crop_keys", False):
-        key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+    key, value = _kept_keys(keywords, query, key, value)
     if sinks is not None:
         keywords["sinks"] = sinks
     if "mask" in keywords:  # the numpy view of a bool tensor, as the mask function made it
@@ -237,32 +248,42 @@ def _closure(fn):
 
 
 def _plain_pattern(mask_function):
-    """(causal, window) when `mask_function` is one of transformers' plain patterns, else None.
+    """(causal, window, chunk_size) when `mask_function` is one of transformers' plain
+    patterns, else None.
 
     The patterns are recognized by the functions masking_utils builds them from; anything
-    else (an overlay, packed sequences, chunks, a user's function) is not plain.
+    else (an overlay, packed sequences, left-padded chunks, a user's function) is not plain.
     """
     from transformers import masking_utils as mu
 
     if mask_function is mu.causal_mask_function:
-        return True, None
+        return True, None, None
     if mask_function is mu.bidirectional_mask_function:
-        return False, None
+        return False, None, None
     parts = _closure(mask_function).get("mask_functions")
     if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask" or \
             not isinstance(parts, tuple) or len(parts) != 2:
         return None
     overlay, base = parts
-    size = _closure(overlay).get("sliding_window")
+    closure = _closure(overlay)
+    qualname = getattr(overlay, "__qualname__", "")
+    if base is mu.causal_mask_function and qualname == "chunked_overlay.<locals>.inner_mask":
+        # (kv_idx - pad) // size == (q_idx - pad) // size: the chunks start at each sequence's
+        # first real token, which one chunk_size says only where no sequence is left padded
+        size, left_padding = closure.get("chunk_size"), closure.get("left_padding")
+        if isinstance(size, int) and size >= 1 and isinstance(left_padding, torch.Tensor) \
+                and not left_padding.any():
+            return True, None, size
+        return None
+    size = closure.get("sliding_window")
     if not isinstance(size, int) or size < 1:
         return None
-    qualname = getattr(overlay, "__qualname__", "")
     if base is mu.causal_mask_function and \
             qualname == "sliding_window_overlay.<locals>.inner_mask":
-        return True, (size - 1, 0)  # kv_idx > q_idx - size
+        return True, (size - 1, 0), None  # kv_idx > q_idx - size
     if base is mu.bidirectional_mask_function and \
             qualname == "sliding_window_bidirectional_overlay.<locals>.inner_mask":
-        return False, (size, size)  # |q_idx - kv_idx| <= size
+        return False, (size, size), None  # |q_idx - kv_idx| <= size
     return None
 
 
@@ -284,7 +305,7 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
         mask_function = mu.causal_mask_function
     pattern = _plain_pattern(mask_function)
     if pattern is not None:
-        causal, window = pattern
+        causal, window, chunk_size = pattern
         # a model that asks for the mask to be built (to combine it with another) gets it built
         wants_dense = not (allow_is_causal_skip if causal else allow_is_bidirectional_skip)
         # causal and windows align the last query with the last key, as every dynamic cache
@@ -292,9 +313,16 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
         aligned = (not causal and window is None) or (
             isinstance(q_offset, int) and isinstance(kv_offset, int)
             and kv_offset + kv_length == q_offset + q_length)
+        skip = 0
+        if chunk_size is not None and aligned:
+            # cpuflash counts chunks from the call's first key: the keys before the first chunk
+            # edge are dropped, which is exact when no query sees them (a chunked layer's
+            # sliding cache starts chunk_size - 1 keys before the first query, mid-chunk)
+            skip = -kv_offset % chunk_size
+            aligned = kv_offset + skip <= q_offset
         if not wants_dense and aligned:
             return _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal,
-                                 window)
+                                 window, chunk_size, skip)
     kwargs.pop("local_size", None)  # sdpa skips by it; a mask here is always built
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
@@ -302,12 +330,18 @@ def attention_mask_function(batch_size, q_length, kv_length, q_offset=0, kv_offs
                         allow_is_bidirectional_skip=False, **kwargs)
 
 
-def _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal, window):
+def _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal, window,
+                  chunk_size=None, skip=0):
     """The (B, 1, 1, Nk) view of the 2-D padding mask, or a placeholder if nothing is padded,
-    tagged with the keywords that give cpuflash the whole mask."""
+    tagged with the keywords that give cpuflash the whole mask (the call's keys start `skip`
+    keys in)."""
     keywords = {"causal": True} if causal else {}
     if window is not None:
         keywords["window"] = window
+    if chunk_size is not None:
+        keywords["chunk_size"] = chunk_size
+    if skip:
+        keywords["skip_keys"] = skip
     if attention_mask is not None:
         keys = attention_mask[:, kv_offset:kv_offset + kv_length]
         if keys.shape[-1] < kv_length:  # keys past the mask's end are padding (as sdpa pads)
@@ -317,7 +351,7 @@ def _padding_mask(attention_mask, batch_size, kv_length, kv_offset, causal, wind
         if not keys.all():
             mask = keys[:, None, None, :]
             # converted once here, read by every layer
-            keywords["mask"] = _numpy(mask)
+            keywords["mask"] = _numpy(mask)[..., skip:]
             setattr(mask, _PATTERN, keywords)
             return mask
     mask = torch.ones((), dtype=torch.bool).expand(batch_size, 1, 1, kv_length)

