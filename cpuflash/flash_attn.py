@@ -22,13 +22,12 @@ docs/flash_attn.md.
 """
 
 import math
-from typing import Optional
 
 import numpy as np
 
-from . import api
-from .torch import (_as_numpy, _as_tensor, _check_cpu, _eager, _eager_function, _score_keywords,
-                    _tensor_or_none, _window_sides, torch)
+from . import _keywords, api
+from .torch import (_as_numpy, _as_tensor, _check_cpu, _eager, _eager_function, _save, _saved,
+                    _score_keywords, _tensor_or_none, torch)
 from .torch import attention as _attention
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
@@ -44,62 +43,52 @@ def _lse_dtype(q):
 
 # -- packed sequences: cpuflash::attention_varlen and its backward
 
-def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left,
-                    window_right, softcap, alibi_slopes):
-    """The varlen forward's work, shared by the operator and the eager path: (out, lse)."""
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *score):
+    """The varlen forward's work, shared by the operator and the eager path: (out, lse).
+    `score`: the score keywords' slots (`_keywords`)."""
     out, lse = api.attention_varlen(
         _as_numpy(q), _as_numpy(k), _as_numpy(v), _as_numpy(cu_seqlens_q),
-        _as_numpy(cu_seqlens_k), return_lse=True,
-        **_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes))
+        _as_numpy(cu_seqlens_k), return_lse=True, **_score_keywords(score))
     return _as_tensor(out), _as_tensor(np.ascontiguousarray(lse))
 
 
-@torch.library.custom_op("cpuflash::attention_varlen", mutates_args=(), device_types="cpu")
-def _varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-               causal: bool, scale: Optional[float], window_left: int, window_right: int,
-               softcap: float, alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left,
-                           window_right, softcap, alibi_slopes)
+_varlen_op = torch.library.custom_op(
+    "cpuflash::attention_varlen", _varlen_forward, mutates_args=(), device_types="cpu",
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+           f"{_keywords.SCHEMA}) -> (Tensor, Tensor)")
 
 
 @_varlen_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, softcap,
-      alibi_slopes):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, *score):
     return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
             q.new_empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q)))
 
 
-def _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                      window_left, window_right, softcap, alibi_slopes):
+def _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *score):
     """The varlen backward's work, shared by the operator and the eager path: (dq, dk, dv)."""
     grads = api.attention_varlen_backward(
         *map(_as_numpy, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)),
-        **_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes))
+        **_score_keywords(score))
     return tuple(_as_tensor(g) for g in grads)
 
 
-@torch.library.custom_op("cpuflash::attention_varlen_backward", mutates_args=(),
-                         device_types="cpu")
-def _varlen_backward_op(
-        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, causal: bool, scale: Optional[float],
-        window_left: int, window_right: int, softcap: float,
-        alibi_slopes: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return _varlen_gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal,
-                             scale, window_left, window_right, softcap, alibi_slopes)
+_varlen_backward_op = torch.library.custom_op(
+    "cpuflash::attention_varlen_backward", _varlen_gradients, mutates_args=(),
+    device_types="cpu",
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+           f"Tensor cu_seqlens_q, Tensor cu_seqlens_k, {_keywords.SCHEMA}) "
+           f"-> (Tensor, Tensor, Tensor)")
 
 
 @_varlen_backward_op.register_fake
-def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left,
-      window_right, softcap, alibi_slopes):
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *score):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *options, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *score = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-    ctx.options = options  # causal, scale, window_left, window_right, softcap
+    _save(ctx, (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), score)
     ctx.mark_non_differentiable(lse)
 
 
@@ -107,10 +96,9 @@ def _varlen_backward_through(gradients):
     """The varlen operator's autograd backward, its gradients from `gradients`: the backward
     operator, or on the eager path the function the operator runs."""
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
-        dq, dk, dv = gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                               *ctx.options, alibi_slopes)
-        return (dq, dk, dv) + (None,) * 8
+        (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), score = _saved(ctx)
+        dq, dk, dv = gradients(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *score)
+        return (dq, dk, dv, None, None) + (None,) * len(score)
     return backward
 
 
@@ -122,10 +110,12 @@ _varlen_op.register_autograd(
 _EagerVarlen = _eager_function("_EagerVarlen", _varlen_forward, _varlen_setup_context,
                                _varlen_backward_through(_varlen_gradients))
 
+_ALIBI = _keywords.SLOT_NAMES.index("alibi_slopes")  # the score slot that is a tensor
+
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
     """``torch.ops.cpuflash.attention_varlen(...)``, or its eager path (`_eager`)."""
-    if not _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, options[-1]):
+    if not _eager(q, k, v, cu_seqlens_q, cu_seqlens_k, options[_ALIBI]):
         return torch.ops.cpuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                    *options)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -135,28 +125,25 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
 
 # -- decoding: cpuflash::attention_with_kvcache writes the new keys into the caches
 
-def _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_left,
-             window_right, softcap, alibi_slopes, num_splits):
-    """The decoding call's work, shared by the operator and the eager path: (out, lse)."""
+def _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *options):
+    """The decoding call's work, shared by the operator and the eager path: (out, lse).
+    `options`: the score keywords' slots (`_keywords`), then `num_splits`."""
     if block_table is not None:  # here, on real lengths, so torch.compile traces no .max()
         _check_block_table_capacity(block_table, k_cache, k, cache_seqlens)
     out, lse = api.attention_with_kvcache(
         _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), k=_as_numpy(k), v=_as_numpy(v),
         cache_seqlens=_as_numpy(cache_seqlens), block_table=_as_numpy(block_table),
-        layout="bshd", num_splits=num_splits, return_lse=True,
-        **_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes))
+        layout="bshd", num_splits=options[-1], return_lse=True,
+        **_score_keywords(options[:-1]))
     return _as_tensor(out), _as_tensor(np.ascontiguousarray(lse))
 
 
-@torch.library.custom_op("cpuflash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"),
-                         device_types="cpu")
-def _kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
-                v: Optional[Tensor], cache_seqlens: Optional[Tensor],
-                block_table: Optional[Tensor], causal: bool, scale: Optional[float],
-                window_left: int, window_right: int, softcap: float,
-                alibi_slopes: Optional[Tensor], num_splits: int) -> tuple[Tensor, Tensor]:
-    return _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale,
-                    window_left, window_right, softcap, alibi_slopes, num_splits)
+_kvcache_op = torch.library.custom_op(
+    "cpuflash::attention_with_kvcache", _kvcache, mutates_args=("k_cache", "v_cache"),
+    device_types="cpu",
+    schema=f"(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+           f"Tensor? cache_seqlens, Tensor? block_table, {_keywords.SCHEMA}, int num_splits) "
+           f"-> (Tensor, Tensor)")
 
 
 def _run_kvcache(*args):
@@ -166,7 +153,7 @@ def _run_kvcache(*args):
     cost", torch's operator dispatch).
     The caches' version counters move as the operator moves them, where keys are written."""
     q, k_cache, v_cache, k, v, cache_seqlens, block_table = args[:7]
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, args[12])
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, args[7 + _ALIBI])
     if not _eager(*tensors) or torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in tensors):
         return torch.ops.cpuflash.attention_with_kvcache(*args)
@@ -178,8 +165,7 @@ def _run_kvcache(*args):
 
 
 @_kvcache_op.register_fake
-def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_left,
-      window_right, softcap, alibi_slopes, num_splits):
+def _(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *options):
     batch, n_q, heads = q.shape[:3]
     return (q.new_empty((batch, n_q, heads, v_cache.shape[-1])),
             q.new_empty((batch, heads, n_q), dtype=_lse_dtype(q)))
@@ -191,7 +177,7 @@ def _options(dropout_p, window_size, softcap):
     """flash-attn's `window_size` as (left, right); its `softcap`, which is off at <= 0."""
     if dropout_p != 0.0:
         raise ValueError(f"`dropout_p` must be 0 (cpuflash has no dropout), got {dropout_p}")
-    left, right = _window_sides(window_size, "window_size")
+    left, right = _keywords.window_sides(window_size, "window_size")
     return left, right, float(softcap) if softcap > 0 else 0.0
 
 
@@ -313,8 +299,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                alibi_slopes=alibi_slopes, block_table=block_table)
     if block_table is not None:
         k, v = _gather_pages(k, v, cu_seqlens_k, block_table)
-    out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(causal),
-                           _scale(softmax_scale), left, right, softcap, alibi_slopes)
+    score = _keywords.pack(causal=causal, scale=softmax_scale, window=(left, right),
+                           softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *score)
     return _result(out, lse, return_attn_probs)
 
 
@@ -435,8 +422,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_cache, v_cache, block_table, cache_seqlens = _entry_pages(
             k_cache, v_cache, q.shape[0], cache_seqlens, cache_batch_idx, cache_leftpad,
             0 if k is None else k.shape[1])
-    out, lse = _run_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, bool(causal),
-                            _scale(softmax_scale), left, right, softcap, alibi_slopes,
+    score = _keywords.pack(causal=causal, scale=softmax_scale, window=(left, right),
+                           softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = _run_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, *score,
                             int(num_splits))
     return (out, lse) if return_softmax_lse else out
 

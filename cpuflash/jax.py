@@ -31,7 +31,7 @@ except ImportError as exc:
                       "or pip install \"jax[cpu]\"); the rest of cpuflash works without it"
                       ) from exc
 
-from . import _jax_ffi, _validate, api, reference
+from . import _jax_ffi, _keywords, _validate, api, reference
 
 __all__ = ["attention", "dot_product_attention"]
 
@@ -41,11 +41,7 @@ __all__ = ["attention", "dot_product_attention"]
 class _Options(NamedTuple):
     """The static part of a call: keywords, layout and which optional operands are present."""
 
-    causal: bool
-    scale: float | None
-    window: tuple | None
-    chunk_size: int | None
-    softcap: float
+    score: tuple  # the score keywords' slots (`_keywords.pack`), alibi_slopes an operand
     bshd: bool
     ndim: int  # of q without vmap's axes (at least 3)
     present: tuple  # (bias, mask, alibi_slopes, sinks): which are operands
@@ -73,9 +69,8 @@ def _operands(options, arrays, others):
     return lead, q, k, v, extras
 
 
-def _keywords(options, extras):
-    return dict(causal=options.causal, scale=options.scale, window=options.window,
-                chunk_size=options.chunk_size, softcap=options.softcap, **extras)
+def _call_keywords(options, extras):
+    return {**_keywords.unpack(options.score), **extras}
 
 
 def _bhsd(options, x):
@@ -97,7 +92,7 @@ def _forward(options, arrays, results):
         return _each_example(_forward, options, lead, arrays, results)
     out, lse = results
     _, lse_value = api.attention(q, k, v, return_lse=True, out=_bhsd(options, out),
-                                 **_keywords(options, extras))
+                                 **_call_keywords(options, extras))
     np.copyto(lse, lse_value.reshape(lse.shape))
 
 
@@ -112,7 +107,7 @@ def _backward(options, arrays, results):
     lse = np.broadcast_to(lse, q.shape[:-1])
     grads = api.attention_backward(dout, q, k, v, out, lse, dq=_bhsd(options, dq),
                                    dk=_bhsd(options, dk), dv=_bhsd(options, dv),
-                                   **_keywords(options, extras))
+                                   **_call_keywords(options, extras))
     if "sinks" in extras:
         np.copyto(rest.pop(0), grads[3], casting="unsafe")
     if options.bias_grad:
@@ -141,10 +136,10 @@ def _bias_gradient(options, dbias, dout, q, k, v, out, lse, extras):
     for index in np.ndindex(heads):
         kv_index = index[:-1] + (index[-1] // group,)
         s, _ = reference.scores(
-            q[index], k[kv_index], causal=options.causal, scale=options.scale,
-            window=options.window, chunk_size=options.chunk_size, softcap=options.softcap,
-            alibi_slopes=None if alibi is None else alibi[index], bias=bias[index],
-            mask=None if mask is None else mask[index])
+            q[index], k[kv_index], **dict(
+                _keywords.unpack(options.score), bias=bias[index],
+                alibi_slopes=None if alibi is None else alibi[index],
+                mask=None if mask is None else mask[index]))
         row_lse = lse[index].astype(np.float64)[:, None]
         with np.errstate(invalid="ignore"):  # rows that see no key: -inf - -inf
             p = np.where(np.isneginf(s), 0.0, np.exp(s - row_lse))
@@ -283,9 +278,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None
     if alibi is not None and alibi.ndim == 1:
         alibi = _with_leading_ones(alibi, q.ndim - 2)  # (core lead..., Hq)
     options = _Options(
-        causal=bool(causal), scale=None if scale is None else float(scale),
-        window=None if window is None else tuple(int(side) for side in window),
-        chunk_size=None if chunk_size is None else int(chunk_size), softcap=float(softcap),
+        score=_keywords.pack(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                             softcap=softcap),
         bshd=layout == "bshd", ndim=q.ndim,
         present=tuple(x is not None for x in (bias, mask, alibi, sinks)))
     out, lse = _attention(options, q, k, v, (bias, mask, alibi, sinks))

@@ -21,11 +21,10 @@ they carry Python functions, which no operator schema can, so their gradients go
 """
 
 import math
-from typing import Optional
 
 import numpy as np
 
-from . import _call, _extras, _validate, api, flex
+from . import _call, _extras, _keywords, api, flex
 
 try:
     import torch
@@ -66,102 +65,115 @@ def _lse_meta(q, layout):
     return shape, (torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def _score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes):
-    """The keywords every cpuflash attention function takes, from an operator's arguments."""
-    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
-    return dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                alibi_slopes=_as_numpy(alibi_slopes))
+def _score_keywords(slots):
+    """The score keywords of `cpuflash.attention`, from an operator's score slots (tensors as
+    numpy views)."""
+    keywords = _keywords.unpack(slots)
+    keywords["alibi_slopes"] = _as_numpy(keywords["alibi_slopes"])
+    return keywords
 
 
-def _keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-              sinks, layout, chunk_size):
-    """The keywords of `cpuflash.attention` / `attention_backward`, as numpy views (an
-    operator's `chunk_size` 0 is None)."""
-    return dict(_score_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes),
-                bias=_as_numpy(bias), mask=_as_numpy(mask), sinks=_as_numpy(sinks),
-                layout=layout, chunk_size=chunk_size or None)
+# An operator's arguments: its tensors, then `_keywords.N_SLOTS` score slots, then the rest of
+# `cpuflash.attention`'s keywords. The score slots come from `_keywords` (schema fragment and
+# conversions), so a new score keyword needs no change here.
+_REST = ("bias", "mask", "sinks", "layout")
+_SINKS = _keywords.N_SLOTS + _REST.index("sinks")  # the position among the options
+
+
+def _options(options):
+    """The keywords of `cpuflash.attention` / `attention_backward` from an operator's options
+    (score slots, then `_REST`), as numpy views."""
+    n = _keywords.N_SLOTS
+    bias, mask, sinks, layout = options[n:]
+    return dict(_score_keywords(options[:n]), bias=_as_numpy(bias), mask=_as_numpy(mask),
+                sinks=_as_numpy(sinks), layout=layout)
 
 
 # -- the forward operator
 
-def _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias,
-             mask, sinks, layout, chunk_size):
+def _forward(q, k, v, *options):
     """The forward's work, shared by the operator and the eager path: (out, lse) tensors."""
     # (a tuple: slicing a torch.Size costs more; measured: docs/history.md, "Per-call cost",
     # small calls)
     out = q.new_empty(tuple(q.shape)[:-1] + (v.shape[-1],))
-    _, lse = api.attention(
-        _as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True, out=_as_numpy(out),
-        **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-                    sinks, layout, chunk_size))
+    _, lse = api.attention(_as_numpy(q), _as_numpy(k), _as_numpy(v), return_lse=True,
+                           out=_as_numpy(out), **_options(options))
     return out, torch.from_numpy(np.ascontiguousarray(lse))
 
 
-@torch.library.custom_op("cpuflash::attention", mutates_args=(), device_types="cpu")
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float],
-                  window_left: int, window_right: int, softcap: float,
-                  alibi_slopes: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
-                  sinks: Optional[Tensor], layout: str, chunk_size: int) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes,
-                    bias, mask, sinks, layout, chunk_size)
+_OPTIONS_SCHEMA = f"{_keywords.SCHEMA}, Tensor? bias, Tensor? mask, Tensor? sinks, str layout"
+_attention_op = torch.library.custom_op(
+    "cpuflash::attention", _forward, mutates_args=(), device_types="cpu",
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor)")
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-      sinks, layout, chunk_size):
-    shape, dtype = _lse_meta(q, layout)
+def _(q, k, v, *options):
+    shape, dtype = _lse_meta(q, options[-1])
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(shape, dtype=dtype)
 
 
 # -- the backward operator
 
-def _gradients(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap,
-               alibi_slopes, bias, mask, sinks, layout, chunk_size):
+def _gradients(dout, q, k, v, out, lse, *options):
     """The backward's work, shared by the operator and the eager path: (dq, dk, dv, dsinks),
     dsinks None without sinks."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     result = api.attention_backward(
         _as_numpy(dout), _as_numpy(q), _as_numpy(k), _as_numpy(v), _as_numpy(out),
         _as_numpy(lse), dq=_as_numpy(dq), dk=_as_numpy(dk), dv=_as_numpy(dv),
-        **_keywords(causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-                    sinks, layout, chunk_size))
+        **_options(options))
+    sinks = options[_SINKS]
     if sinks is None:
         return dq, dk, dv, None
     # float32 from the kernels; the gradient takes the parameter's dtype
     return dq, dk, dv, torch.from_numpy(result[3]).to(sinks.dtype)
 
 
-@torch.library.custom_op("cpuflash::attention_backward", mutates_args=(), device_types="cpu")
-def _attention_backward_op(
-        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-        scale: Optional[float], window_left: int, window_right: int, softcap: float,
-        alibi_slopes: Optional[Tensor], bias: Optional[Tensor], mask: Optional[Tensor],
-        sinks: Optional[Tensor], layout: str,
-        chunk_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, causal, scale, window_left,
-                                    window_right, softcap, alibi_slopes, bias, mask, sinks,
-                                    layout, chunk_size)
+def _backward_op_function(dout, q, k, v, out, lse, *options):
+    dq, dk, dv, dsinks = _gradients(dout, q, k, v, out, lse, *options)
     if dsinks is None:  # (an operator returns tensors)
         dsinks = q.new_empty(0, dtype=torch.float32)
     return dq, dk, dv, dsinks
 
 
+_attention_backward_op = torch.library.custom_op(
+    "cpuflash::attention_backward", _backward_op_function, mutates_args=(), device_types="cpu",
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+           f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
 @_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap, alibi_slopes,
-      bias, mask, sinks, layout, chunk_size):
+def _(dout, q, k, v, out, lse, *options):
+    sinks = options[_SINKS]
     dsinks = q.new_empty(0, dtype=torch.float32) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 # -- autograd: q, k, v and sinks are differentiable; lse, slopes, bias and mask are not
 
+def _save(ctx, tensors, options):
+    """Keep `tensors` and the tensors among `options` for the backward (`_saved`)."""
+    held = [i for i, x in enumerate(options) if isinstance(x, Tensor)]
+    ctx.save_for_backward(*tensors, *(options[i] for i in held))
+    ctx.options = tuple(None if i in held else x for i, x in enumerate(options))
+    ctx.held = held
+
+
+def _saved(ctx):
+    """(the `tensors` given to `_save`, its `options`), from `ctx`."""
+    saved = ctx.saved_tensors
+    n = len(saved) - len(ctx.held)
+    options = list(ctx.options)
+    for i, t in zip(ctx.held, saved[n:]):
+        options[i] = t
+    return saved[:n], options
+
+
 def _setup_context(ctx, inputs, output):
-    (q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes, bias, mask,
-     sinks, layout, chunk_size) = inputs
+    q, k, v, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, bias, mask, sinks)
-    ctx.options = (causal, scale, window_left, window_right, softcap)
-    ctx.layout, ctx.chunk_size = layout, chunk_size
+    _save(ctx, (q, k, v, out, lse), options)
     ctx.mark_non_differentiable(lse)
 
 
@@ -169,11 +181,12 @@ def _backward_through(gradients):
     """The operator's autograd backward, its gradients from `gradients`: the backward operator,
     or on the eager path the function the operator runs."""
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes, bias, mask, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = gradients(dout, q, k, v, out, lse, *ctx.options, alibi_slopes,
-                                       bias, mask, sinks, ctx.layout, ctx.chunk_size)
-        return (dq, dk, dv, None, None, None, None, None, None, None, None,
-                dsinks if sinks is not None else None, None, None)
+        (q, k, v, out, lse), options = _saved(ctx)
+        dq, dk, dv, dsinks = gradients(dout, q, k, v, out, lse, *options)
+        grads = [None] * len(options)
+        if options[_SINKS] is not None:
+            grads[_SINKS] = dsinks
+        return (dq, dk, dv, *grads)
     return backward
 
 
@@ -214,11 +227,16 @@ def _eager(*tensors):
             and all(t is None or type(t) is Tensor for t in tensors))
 
 
+# the options that are tensors (alibi_slopes, bias, mask, sinks): one slice, read per call
+_TENSORS = slice(_keywords.SLOT_NAMES.index("alibi_slopes"), _SINKS + 1)
+assert _keywords.SLOT_NAMES[_TENSORS.start:] + _REST[:3] == ("alibi_slopes",) + _REST[:3]
+
+
 def _run_attention(q, k, v, *options):
     """``torch.ops.cpuflash.attention(q, k, v, *options)``, or its eager path (`_eager`)."""
-    alibi_slopes, bias, mask, sinks = options[5:9]
-    if not _eager(q, k, v, alibi_slopes, bias, mask, sinks):
+    if not _eager(q, k, v, *options[_TENSORS]):
         return torch.ops.cpuflash.attention(q, k, v, *options)
+    sinks = options[_SINKS]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or sinks is not None and sinks.requires_grad):
         return _EagerAttention.apply(q, k, v, *options)
@@ -242,18 +260,6 @@ def _check_cpu(**tensors):
 
 def _tensor_or_none(x):
     return x if x is None or isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-
-
-def _window_sides(window, name="window"):
-    """``(left, right)`` ints from a window given as a pair (-1 = unbounded) or None."""
-    if window is None:
-        return -1, -1
-    try:
-        left, right = (int(side) for side in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"`{name}` must be a pair of ints (left, right), each >= -1, got "
-                         f"{window!r}") from None
-    return left, right
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
@@ -281,12 +287,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None
     """
     alibi_slopes, bias, mask, sinks = map(_tensor_or_none, (alibi_slopes, bias, mask, sinks))
     _check_cpu(q=q, k=k, v=v, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks)
-    left, right = _window_sides(window)
-    if scale is not None:
-        scale = float(scale)
-    out, lse = _run_attention(q, k, v, bool(causal), scale, left, right, float(softcap),
-                              alibi_slopes, bias, mask, sinks, layout,
-                              _validate.chunk_value(chunk_size))
+    score = _keywords.pack(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                           softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = _run_attention(q, k, v, *score, bias, mask, sinks, layout)
     return (out, lse) if return_lse else out
 
 
@@ -356,8 +359,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             mask = tri if mask is None else mask & tri
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     # (`attention` without its checks, which the ones above cover)
-    out, _ = _run_attention(query, key, value, causal, scale, -1, right, 0.0, None, bias, mask,
-                            None, "bhsd", 0)
+    score = _keywords.pack(causal=causal, scale=scale, window=(-1, right))
+    out, _ = _run_attention(query, key, value, *score, bias, mask, None, "bhsd")
     return out[0] if out_dims == 2 else out  # 2-D inputs were given a head axis
 
 

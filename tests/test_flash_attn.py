@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: cpuflash.fl
 fa = pytest.importorskip("cpuflash.flash_attn", reason="cpuflash.flash_attn could not be imported")
 
 import cpuflash  # noqa: E402
+from cpuflash._keywords import pack  # noqa: E402  (the operators' score slots)
 from accuracy import assert_close_to_reference  # noqa: E402
 from helpers import check_varlen, cu_seqlens, packed, visible  # noqa: E402
 
@@ -226,18 +227,17 @@ def test_opcheck_varlen_and_kvcache(gen):
                                                                           dtype=torch.int32)
     q.requires_grad_()
     torch.library.opcheck(torch.ops.cpuflash.attention_varlen.default,
-                          (q, k, v, cu_q, cu_k, True, None, 3, -1, 0.0, None))
-    out, lse = torch.ops.cpuflash.attention_varlen(q, k, v, cu_q, cu_k, True, None, -1, -1, 0.0,
-                                                   None)
+                          (q, k, v, cu_q, cu_k, *pack(causal=True, window=(3, -1))))
+    out, lse = torch.ops.cpuflash.attention_varlen(q, k, v, cu_q, cu_k, *pack(causal=True))
     torch.library.opcheck(torch.ops.cpuflash.attention_varlen_backward.default,
                           (torch.randn_like(out), q.detach(), k, v, out.detach(), lse, cu_q, cu_k,
-                           True, None, -1, -1, 0.0, None))
+                           *pack(causal=True)))
     qc, k_cache, v_cache = randn(gen, 2, 1, 4, 8), randn(gen, 2, 10, 2, 8), randn(gen, 2, 10, 2, 8)
     new_k, new_v = randn(gen, 2, 1, 2, 8), randn(gen, 2, 1, 2, 8)
     seqlens = torch.tensor([3, 9], dtype=torch.int32)
     torch.library.opcheck(torch.ops.cpuflash.attention_with_kvcache.default,
-                          (qc, k_cache, v_cache, new_k, new_v, seqlens, None, True, None, -1, -1,
-                           0.0, None, 0))
+                          (qc, k_cache, v_cache, new_k, new_v, seqlens, None,
+                           *pack(causal=True), 0))
 
 
 def test_eager_calls_skip_the_operators_with_their_bits(gen):
@@ -246,7 +246,7 @@ def test_eager_calls_skip_the_operators_with_their_bits(gen):
     move as the operator moves them."""
     q, k, v = randn(gen, 12, 4, 8), randn(gen, 15, 2, 8), randn(gen, 15, 2, 8)
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in ([0, 5, 12], [0, 9, 15]))
-    options = (True, None, 3, -1, 1.5, None)
+    options = pack(causal=True, window=(3, -1), softcap=1.5)
     results = []
     for run in (fa._run_varlen, torch.ops.cpuflash.attention_varlen):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -264,7 +264,7 @@ def test_eager_calls_skip_the_operators_with_their_bits(gen):
     for run in (fa._run_kvcache, torch.ops.cpuflash.attention_with_kvcache):
         caches = [k_cache.clone(), v_cache.clone()]
         versions = [c._version for c in caches]
-        out = run(qc, *caches, new_k, new_v, seqlens, None, True, None, -1, -1, 0.0, None, 0)
+        out = run(qc, *caches, new_k, new_v, seqlens, None, *pack(causal=True), 0)
         assert all(c._version > before for c, before in zip(caches, versions))
         results.append(list(out) + caches)
     for ours, theirs in zip(*results):

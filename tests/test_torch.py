@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: cpuflash.torch needs it")
 ct = pytest.importorskip("cpuflash.torch", reason="cpuflash.torch could not be imported")
+from cpuflash._keywords import pack  # noqa: E402  (the operators' score slots)
 F = torch.nn.functional
 
 
@@ -115,24 +116,22 @@ def test_opcheck_forward(gen):
     sinks = randn(gen, 4)
     mask = torch.rand(5, 7, generator=gen) < 0.7
     op = torch.ops.cpuflash.attention.default
-    torch.library.opcheck(op, (q, k, v, True, None, -1, -1, 0.0, None, None, None, None, "bhsd",
-                               0))
-    torch.library.opcheck(op, (q, k, v, False, 0.5, 3, 2, 2.0, None, None, mask, sinks, "bhsd",
-                               4))
+    causal = pack(causal=True)
+    torch.library.opcheck(op, (q, k, v, *causal, None, None, None, "bhsd"))
+    score = pack(scale=0.5, window=(3, 2), chunk_size=4, softcap=2.0)
+    torch.library.opcheck(op, (q, k, v, *score, None, mask, sinks, "bhsd"))
     qb, kb, vb = qkv(gen, layout="bshd")
-    torch.library.opcheck(op, (qb, kb, vb, True, None, -1, -1, 0.0, None, None, None, None,
-                               "bshd", 0))
+    torch.library.opcheck(op, (qb, kb, vb, *causal, None, None, None, "bshd"))
 
 
 def test_opcheck_backward(gen):
     q, k, v = qkv(gen, grad=False)
     sinks = torch.randn(2, generator=gen, dtype=torch.float64)
-    out, lse = torch.ops.cpuflash.attention(q, k, v, True, None, -1, -1, 0.0, None, None, None,
-                                            sinks, "bhsd", 3)
+    score = pack(causal=True, chunk_size=3)
+    out, lse = torch.ops.cpuflash.attention(q, k, v, *score, None, None, sinks, "bhsd")
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cpuflash.attention_backward.default,
-                          (dout, q, k, v, out, lse, True, None, -1, -1, 0.0, None, None, None,
-                           sinks, "bhsd", 3))
+                          (dout, q, k, v, out, lse, *score, None, None, sinks, "bhsd"))
 
 
 def test_eager_calls_skip_the_operator_with_its_bits(gen):
@@ -140,11 +139,11 @@ def test_eager_calls_skip_the_operator_with_its_bits(gen):
     same outputs and gradients, bit for bit, as the operator gives, sinks included."""
     q, k, v = qkv(gen, heads_q=4, heads_k=2, dtype=torch.float32)
     sinks = randn(gen, 4, dtype=torch.float32)
-    options = (True, None, -1, -1, 1.5, None, None, None, sinks, "bhsd", 0)
+    score = pack(causal=True, softcap=1.5)
 
     def run(fn):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
-        out, lse = fn(*leaves[:3], *options[:8], leaves[3], *options[9:])
+        out, lse = fn(*leaves[:3], *score, None, None, leaves[3], "bhsd")
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
         return out, lse, [x.grad for x in leaves]
 
