@@ -6,10 +6,12 @@ caches), the tiles (`tiling`) and the work items (`_schedule`), keeps what a rep
 reuse (`_plans`), writes new keys into a cache (`_kvcache`) and merges key splits (`_combine`).
 """
 
+import dataclasses
+
 import numpy as np
 
 from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
-from .kernels._band import SEQ_N_K, SEQ_N_Q
+from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
 from .kernels.decode import decode as decode_kernel, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
 
@@ -42,6 +44,8 @@ def attention(call, layout, key, out_given, return_lse):
         n_keys = np.full(call.batch, call.n_k, dtype=np.int64)
         decode(setup, call.q, call.k, call.v, n_keys, call.n_k, call.out_bhsd, call.lse,
                call.sinks)
+    elif foldable(call):
+        forward_folded(call, _schedule.sequence_table(1, call.n_k, call.batch), call.k, call.v)
     else:
         seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
         if key is not None and call.copy_back is None:
@@ -81,8 +85,69 @@ def kvcache(call, layout, key, return_lse):
             k, v = _kvcache.gather_pages(call)
         seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
         seqs[:, SEQ_N_K] = call.n_keys
-        forward(call, seqs, (call.q, k, v, call.out_kernel, call.lse))
+        if foldable(call):
+            forward_folded(call, seqs, k, v)
+        else:
+            forward(call, seqs, (call.q, k, v, call.out_kernel, call.lse))
     return call.result(return_lse)
+
+
+def foldable(call):
+    """Whether a call is one decoding step of a large GQA/MQA group (one query row per head,
+    more heads to a kv head than the streaming kernel serves) whose rows all see the same keys
+    through the same steps: no step that depends on the head or the row (ALiBi, bias, mask,
+    sinks, the user's functions) and an unquantized cache."""
+    return (call.n_q == 1 and call.n_heads // call.n_kv_heads > tiling.DECODE_MAX_ROWS
+            and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
+            and not call.bias.size and not call.mask.size and not call.sinks.size
+            and call.user is _call.NO_USER_FUNCTIONS)
+
+
+def forward_folded(call, seqs, k, v):
+    """A `foldable` call as the FA-2 forward of its groups: the heads of a kv head are the query
+    rows of one tile, so each key block is read once per tile of rows, not once per head (and
+    a thread gets rows enough for its micro-kernels). `seqs`: the call's sequence table, one
+    query row a sequence; `k`, `v`: the keys and values as the kernel reads them.
+
+    One row sees keys ``lo .. n_k - 1`` of its sequence, by its window and chunk (the key under
+    the row is the last one, so causal hides none): the folded call attends to that range with
+    no visibility rule, which every row of the group shares."""
+    group = call.n_heads // call.n_kv_heads
+    n_k = seqs[:, SEQ_N_K]
+    last = n_k - 1  # the key under the row
+    left = call.window[0]
+    lo = np.maximum(0, last - left) if left >= 0 else np.zeros_like(n_k)
+    if call.chunk:
+        lo = np.maximum(lo, last // call.chunk * call.chunk)
+    lo = np.minimum(lo, n_k)
+    folded_seqs = seqs.copy()
+    folded_seqs[:, SEQ_N_Q] = group
+    folded_seqs[:, SEQ_K_START] += lo
+    folded_seqs[:, SEQ_N_K] = n_k - lo
+
+    def rows(x):  # (B, Hq, 1, X) as (B, Hk, group, X): row g of kv head hk is head hk*group+g
+        s = x.strides
+        return np.lib.stride_tricks.as_strided(
+            x, (x.shape[0], call.n_kv_heads, group, x.shape[3]), (s[0], s[1] * group, s[1], s[3]))
+
+    q, out = rows(call.q), rows(call.out_kernel)
+    lse = call.lse.reshape(call.batch, call.n_kv_heads, group)
+    folded = dataclasses.replace(
+        call, q=q, n_heads=call.n_kv_heads, n_q=group, n_k=int(n_k.max()), causal=False,
+        window=(-1, -1), chunk=0, out_bhsd=out,
+        tiles=_folded_tiles(call, group, _threads.thread_count()))
+    forward(folded, folded_seqs, (q, k, v, out, lse))
+
+
+def _folded_tiles(call, group, n_threads):
+    """The tiles of a folded call: every tile of rows sees the same keys, so the rows of a kv
+    head are dealt in as few tiles as keep the threads busy (`split_for_threads` aims at two a
+    thread, for calls whose tiles differ in cost), each read of a key block serving the most
+    rows the cache model allows."""
+    tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
+    per_head = -(-n_threads // (call.batch * call.n_kv_heads))  # tiles of a kv head's rows
+    block_q = tiling.round_rows(-(-group // per_head))
+    return tiling.TileConfig(min(block_q, tiles.block_q), tiles.block_k)
 
 
 class Forward:

@@ -197,6 +197,11 @@ def working_set_bytes(tiles, head_dim, dtype=np.float32, head_dim_v=None):
     return l1, l2
 
 
+def round_rows(rows):
+    """`rows` rounded up to a whole query block (`BLOCK_Q_MULTIPLE`)."""
+    return -(-rows // BLOCK_Q_MULTIPLE) * BLOCK_Q_MULTIPLE
+
+
 def split_for_threads(tiles, n_rows, n_heads_total, n_threads):
     """Shrink `block_q` so that a call has at least two work items per thread when it can.
 

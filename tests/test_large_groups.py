@@ -1,0 +1,113 @@
+"""Decoding with large GQA/MQA groups (DeepSeek's absorbed MLA: 128 query heads on one latent
+head): the heads of a group are folded into the query rows of one tile (`_run.forward_folded`).
+Against the dense reference, for every option a folded call takes, and the same bits for any
+thread count."""
+
+import numba
+import numpy as np
+import pytest
+
+import cpuflash
+from cpuflash import _run
+
+from accuracy import assert_close_to_reference
+from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype, to_pages,
+                     with_new_keys)
+
+
+def folds(monkeypatch):
+    """Record whether the calls that follow were folded."""
+    seen = []
+    real = _run.forward_folded
+    monkeypatch.setattr(_run, "forward_folded", lambda *a: seen.append(True) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("hq,hk", [(32, 1), (64, 2), (128, 1)])
+@pytest.mark.parametrize("options", [dict(), dict(window=(100, 0)), dict(chunk_size=64),
+                                     dict(softcap=20.0, scale=0.3),
+                                     dict(causal=False, window=(-1, 3))])
+def test_kvcache(rng, monkeypatch, hq, hk, options):
+    seen = folds(monkeypatch)
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=hq, hk=hk, n_max=300,
+                                                     d=72, d_v=40, seqlens=[250, 0])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True, **options)
+    assert seen
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens + 1,
+                  **dict(dict(causal=True), **options))
+
+
+def test_mla_values_inside_the_keys(rng, monkeypatch):
+    """DeepSeek's absorbed MLA: 128 heads of 576 dims on one latent row, whose first 512 dims
+    are the values (a numpy view of the key cache)."""
+    seen = folds(monkeypatch)
+    q = rng.standard_normal((1, 128, 1, 576)).astype(np.float32)
+    latent = rng.standard_normal((1, 1, 700, 576)).astype(np.float32)
+    out = cpuflash.attention_with_kvcache(q, latent, latent[..., :512], scale=0.05)
+    assert seen and out.shape == (1, 128, 1, 512)
+    assert_close_to_reference(out, q, latent, latent[..., :512], scale=0.05, causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_dtypes(rng, dtype):
+    dtype = np.dtype(dtype) if dtype == "float64" else low_precision_dtype(dtype)
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=2, hq=48, hk=2, n_max=200,
+                                                     dtype=dtype, seqlens=[200, 77])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               return_lse=True)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True,
+                  plain_dtype=None if dtype == np.float64 else dtype)
+
+
+def test_paged_and_bshd(rng):
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=2, hq=64, hk=1, n_max=256, d_v=64,
+                                                     seqlens=[256, 100])
+    order = rng.permutation(8).reshape(2, 4).astype(np.int32)
+    paged = cpuflash.attention_with_kvcache(
+        q, to_pages(k_cache, 64, order), to_pages(v_cache, 64, order), cache_seqlens=seqlens,
+        block_table=order)
+    check_kvcache(paged, None, q, k_cache, v_cache, seqlens, causal=True)
+    bshd = cpuflash.attention_with_kvcache(
+        q.swapaxes(1, 2), k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2), cache_seqlens=seqlens,
+        layout="bshd")
+    np.testing.assert_array_equal(bshd.swapaxes(1, 2), paged)
+
+
+def test_attention_one_row(rng, monkeypatch):
+    """`cpuflash.attention` with one query row takes the same route."""
+    seen = folds(monkeypatch)
+    q = rng.standard_normal((2, 64, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 333, 64)).astype(np.float32) for _ in range(2))
+    out, lse = cpuflash.attention(q, k, v, causal=True, window=(50, 0), return_lse=True)
+    assert seen
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=True, window=(50, 0))
+
+
+@pytest.mark.parametrize("options", [
+    dict(alibi_slopes=np.linspace(0.01, 0.3, 64, dtype=np.float32)),
+    dict(sinks=np.linspace(-1, 1, 64, dtype=np.float32))])
+def test_head_dependent_steps_are_not_folded(rng, monkeypatch, options):
+    seen = folds(monkeypatch)
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=64, hk=2, n_max=150,
+                                                     seqlens=[150])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **options)
+    assert not seen
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True, **options)
+
+
+def test_thread_count_changes_no_bit(rng):
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=128, hk=1, n_max=1000,
+                                                     d=128, d_v=128, seqlens=[999])
+    before = numba.get_num_threads()
+    results = []
+    try:
+        for threads in sorted({1, before}):
+            numba.set_num_threads(threads)
+            results.append(cpuflash.attention_with_kvcache(q, k_cache, v_cache,
+                                                           cache_seqlens=seqlens,
+                                                           return_lse=True))
+    finally:
+        numba.set_num_threads(before)
+    assert_same_bits(results[0], results[-1])
