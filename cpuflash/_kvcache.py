@@ -32,19 +32,24 @@ def write_new_keys(call):
 
 
 def _write(call):
+    # (no new values where they are the keys' first columns: the keys' rows hold them)
     new_k, new_v = call.new_k, call.new_v
+    k_scale = v_scale = None
     if call.quantized is not None:  # written as the cache holds them: 8-bit rows and scales
-        (new_k, k_scale), (new_v, v_scale) = (quantize_rows(x, call.quantized)
-                                              for x in (new_k, new_v))
+        new_k, k_scale = quantize_rows(new_k, call.quantized)
+        if new_v is not None:
+            new_v, v_scale = quantize_rows(new_v, call.quantized)
     n_new = new_k.shape[2]
     for b in range(call.batch):
         pages, rows = slots(call, b, call.seqlens[b] + np.arange(n_new))
         # (new, heads, dim) <- (heads, new, dim)
         call.k_cache[pages, :, rows, :] = np.swapaxes(new_k[b], 0, 1)
-        call.v_cache[pages, :, rows, :] = np.swapaxes(new_v[b], 0, 1)
-        if call.quantized is not None:
+        if k_scale is not None:
             call.k_scale[pages, :, rows] = k_scale[b].T
-            call.v_scale[pages, :, rows] = v_scale[b].T
+        if new_v is not None:
+            call.v_cache[pages, :, rows, :] = np.swapaxes(new_v[b], 0, 1)
+            if v_scale is not None:
+                call.v_scale[pages, :, rows] = v_scale[b].T
 
 
 def gather_pages(call):

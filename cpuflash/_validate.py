@@ -461,11 +461,14 @@ def int_array(name, x):
 
 def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window,
                  chunk_size, softcap, alibi_slopes, sinks, block_table, layout, num_splits,
-                 return_lse):
+                 return_lse, value_dim=None):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
     checked, then written by `_kvcache.write_new_keys` once every check has passed, which also
     returns the kernel's view of the caches."""
     q = as_array("q", q)
+    in_keys = value_dim is not None
+    if in_keys:
+        v_cache, v = values_in_keys(k_cache, v_cache, k, v, value_dim)
     quantized = quantized_pair(k_cache, v_cache)
     if quantized is None:
         k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
@@ -571,7 +574,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         qk_scale=qk_scale, softcap=softcap, alibi=alibi, causal=causal, window=window,
         chunk=chunk, sinks=sinks_arr,
         out_user=out_user, out_bhsd=out_bhsd, lse_shape=(batch, n_heads, n_q),
-        k_cache=kc4, v_cache=vc4, new_k=k4, new_v=v4, block_table=np.ascontiguousarray(table),
+        k_cache=kc4, v_cache=vc4, new_k=k4, new_v=None if in_keys else v4,
+        block_table=np.ascontiguousarray(table),
         page_rows=page_rows, paged=block_table is not None, seqlens=seqlens, n_keys=n_keys,
         num_splits=int(num_splits))
     # `k`, `v`: the caches as given; `_kvcache.write_new_keys` hands the kernel its view of them
@@ -590,6 +594,28 @@ def bits_view(data):
     """An 8-bit cache as the kernels read it: int8 as it is, float8_e4m3fn as its uint8 bits
     (Numba has no float8)."""
     return data if data.dtype == np.int8 else data.view(np.uint8)
+
+
+def values_in_keys(k_cache, v_cache, k, v, value_dim):
+    """(v_cache, v) for values that are the first `value_dim` columns of the keys (DeepSeek
+    MLA's latent cache): views of `k_cache` and `k`, an 8-bit cache's with the keys' scales."""
+    if v_cache is not None:
+        _fail(ValueError, "`value_dim` reads the values from the keys' first columns: "
+                          "`v_cache` must be None, got a cache")
+    if v is not None:
+        _fail(ValueError, "with `value_dim`, new values come inside the new keys: `v` must be "
+                          "None, got an array")
+    if isinstance(value_dim, bool) or not isinstance(value_dim, numbers.Integral):
+        _fail(TypeError, f"`value_dim` must be an int, got {type(value_dim).__name__}")
+    data = k_cache.data if isinstance(k_cache, QuantizedKV) else as_array("k_cache", k_cache)
+    if data.ndim < 1 or not 0 < value_dim <= data.shape[-1]:
+        _fail(ValueError, f"`value_dim` must be in 1 .. {data.shape[-1] if data.ndim else 0} "
+                          f"(the keys' head dim), got {value_dim}")
+    if isinstance(k_cache, QuantizedKV):
+        v_cache = QuantizedKV(k_cache.data[..., :value_dim], k_cache.scale)
+    else:
+        v_cache = data[..., :value_dim]
+    return v_cache, None if k is None else as_array("k", k)[..., :value_dim]
 
 
 def quantized_pair(k_cache, v_cache):

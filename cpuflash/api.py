@@ -142,7 +142,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            causal=True, scale=None, window=None, chunk_size=None,
                            softcap=0.0, alibi_slopes=None, sinks=None, block_table=None,
                            layout="bhsd", num_splits=0, return_lse=False, score_mod=None,
-                           score_args=(), mask_mod=None, mask_args=()):
+                           score_args=(), mask_mod=None, mask_args=(), value_dim=None):
     """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
 
     Parameters
@@ -180,6 +180,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         query's position in its sequence (bottom-right aligned: the last query sits at the last
         key) and `kv_idx` a key's, so that a mask written for training works unchanged when
         decoding. They are compiled into the split-KV decoding kernel as into the forward's.
+    value_dim : int, optional
+        Values inside the keys (DeepSeek MLA's latent cache): with ``v_cache=None`` the values
+        are the first `value_dim` columns of the key cache (float, paged or 8-bit, where they
+        take the keys' scales), new ones come inside `k` (``v=None``), and the output has
+        `value_dim` columns. With numpy caches, ``v_cache=k_cache[..., :Dv]`` is the same.
 
     Returns
     -------
@@ -198,7 +203,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     own = not (score_mod is None and mask_mod is None and _nothing(score_args)
                and _nothing(mask_args))
     if (block_table is None and alibi_slopes is None and sinks is None and not own
-            and (k is None) == (v is None) and scales is not False):
+            and value_dim is None and (k is None) == (v is None) and scales is not False):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
         if scales is None:
@@ -221,7 +226,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, block_table=block_table, layout=layout, num_splits=num_splits,
-        return_lse=return_lse)
+        return_lse=return_lse, value_dim=value_dim)
     if own:
         call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,
                                                    mask_args, None, positions=True)

@@ -111,3 +111,63 @@ def test_thread_count_changes_no_bit(rng):
     finally:
         numba.set_num_threads(before)
     assert_same_bits(results[0], results[-1])
+
+
+# -- values inside the keys (`value_dim`)
+
+@pytest.mark.parametrize("hq", [8, 64])
+def test_value_dim_float_with_new_keys(rng, hq):
+    """New latent rows are written once, through `k`; the values are their first columns."""
+    q = rng.standard_normal((2, hq, 1, 96)).astype(np.float32)
+    latent = rng.standard_normal((2, 1, 300, 96)).astype(np.float32)
+    new = rng.standard_normal((2, 1, 1, 96)).astype(np.float32)
+    seqlens = np.array([200, 0], np.int32)
+    written = latent.copy()
+    out, lse = cpuflash.attention_with_kvcache(q, written, None, k=new, cache_seqlens=seqlens,
+                                               value_dim=64, return_lse=True)
+    assert out.shape == (2, hq, 1, 64)
+    expected = with_new_keys(latent, new, seqlens)
+    np.testing.assert_array_equal(written, expected)
+    check_kvcache(out, lse, q, expected, expected[..., :64], seqlens + 1, causal=True)
+
+
+def test_value_dim_paged_and_int8(rng):
+    q = rng.standard_normal((2, 32, 1, 64)).astype(np.float32)
+    latent = rng.standard_normal((2, 1, 256, 64)).astype(np.float32)
+    seqlens = np.array([256, 70], np.int32)
+    order = rng.permutation(8).reshape(2, 4).astype(np.int32)
+    paged = cpuflash.attention_with_kvcache(q, to_pages(latent, 64, order), None,
+                                            cache_seqlens=seqlens, block_table=order,
+                                            value_dim=48)
+    check_kvcache(paged, None, q, latent, latent[..., :48], seqlens, causal=True)
+    kq = cpuflash.quantize_kv(latent)
+    new = rng.standard_normal((2, 1, 1, 64)).astype(np.float32)
+    seqlens = np.array([100, 70], np.int32)
+    out = cpuflash.attention_with_kvcache(q, kq, None, k=new, cache_seqlens=seqlens,
+                                          value_dim=48)
+    keys = cpuflash.dequantize_kv(kq)  # after the write: the new rows quantized once
+    np.testing.assert_array_equal(
+        keys[:, :, 100:101][0], cpuflash.dequantize_kv(cpuflash.quantize_kv(new))[0])
+    check_kvcache(out, None, q, keys, keys[..., :48], seqlens + 1, causal=True)
+
+
+@pytest.mark.parametrize("arguments,error,match", [
+    (dict(value_dim=0), ValueError, "value_dim"),
+    (dict(value_dim=65), ValueError, "value_dim"),
+    (dict(value_dim=2.0), TypeError, "value_dim"),
+    (dict(value_dim=8, v_cache="cache"), ValueError, "v_cache"),
+    (dict(value_dim=8, v="new"), ValueError, "`v` must be None"),
+    (dict(), TypeError, "v_cache"),
+])
+def test_value_dim_errors(rng, arguments, error, match):
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    latent = rng.standard_normal((1, 1, 10, 64)).astype(np.float32)
+    before = latent.copy()
+    arguments = dict(arguments)
+    v_cache = latent if arguments.pop("v_cache", None) else None
+    new = rng.standard_normal((1, 1, 1, 64)).astype(np.float32)
+    if arguments.pop("v", None):
+        arguments.update(k=new, v=new, cache_seqlens=np.array([5], np.int32))
+    with pytest.raises(error, match=match):
+        cpuflash.attention_with_kvcache(q, latent, v_cache, **arguments)
+    np.testing.assert_array_equal(latent, before)
