@@ -10,7 +10,10 @@ Cases (float32 unless named; one query row a head, the whole cache attended):
   values (``v_cache = k_cache[..., :512]``), N = 8192 and 65536; ``mla-16``: one tensor-parallel
   shard of it (16 heads); ``mla-128-bf16``: the latent cache in bfloat16 (q too);
 * ``mqa-64``: 64 heads on one kv head, D = 128, N = 16384;
-* ``prefill-64``: Hq 64 on Hk 1, N = 4096, D = 128, causal (torch SDPA with ``enable_gqa``).
+* ``prefill-64``: Hq 64 on Hk 1, N = 4096, D = 128, causal (torch SDPA with ``enable_gqa``);
+* ``mla-128-top2048``: the MLA step over 2048 listed keys of 32768 (`key_indices`, DeepSeek
+  V3.2's sparse attention) against the same step over all 32768 (values inside the keys,
+  ``value_dim=512``).
 
 Competitors: torch's "three lines" (``softmax(q K^T * scale) @ V`` as two GEMMs over the group's
 heads, the way MLA decoding is written in torch) and torch SDPA with ``enable_gqa=True`` (not at
@@ -37,6 +40,7 @@ CASES = {  # name: (Hq, Hk, Nq, N, D, Dv, dtype)
     "mla-16": (16, 1, 1, 8192, 576, 512, "float32"),
     "mqa-64": (64, 1, 1, 16384, 128, 128, "float32"),
     "prefill-64": (64, 1, 4096, 4096, 128, 128, "float32"),
+    "mla-128-top2048": None,  # (`run_top_k`)
 }
 
 
@@ -72,7 +76,27 @@ def best_of(functions, repeats):
     return best
 
 
+def run_top_k(threads, repeats, n=32768, topk=2048):
+    """The MLA step over `topk` listed keys of `n` against the step over all of them."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 128, 1, 576), dtype=np.float32)
+    latent = rng.standard_normal((1, 1, n, 576), dtype=np.float32)
+    keys = np.sort(rng.permutation(n)[:topk])[None, None].astype(np.int32)
+    top = lambda: cpuflash.attention_with_kvcache(q, latent, None, value_dim=512,  # noqa: E731
+                                                  key_indices=keys)
+    every = lambda: cpuflash.attention_with_kvcache(q, latent, None, value_dim=512)  # noqa: E731
+    (tq, tk) = (torch.from_numpy(q), torch.from_numpy(latent[:, :, keys[0, 0]]))
+    expected = three_lines(tq.double(), tk.double(), tk[..., :512].double(), 1 / 24)
+    assert np.abs(top() - expected.numpy()).max() < 1e-4
+    every()
+    t_top, t_every = best_of([top, every], repeats)
+    print(f"mla-128-top{topk} {threads}t {t_top * 1e3:8.2f} ms; all {n} keys "
+          f"{t_every * 1e3:.2f} ms ({t_every / t_top:.1f}x)", flush=True)
+
+
 def run(name, threads, repeats):
+    if name == "mla-128-top2048":
+        return run_top_k(threads, repeats)
     hq, hk, n_q, n, d, dv, dtype = CASES[name]
     (q, k, v), (tq, tk, tv) = inputs(hq, hk, n_q, n, d, dv, dtype)
     scale = 1 / np.sqrt(d)

@@ -5,14 +5,16 @@ The forward's validation (`_validate.attention_args`) reads q, k, v and the modi
 `dk`, `dv`); `_run_backward` runs the kernel and finds the sinks' gradient.
 """
 
-from . import _plans, _run_backward, _schedule, _validate, _validate_gradients
+import numpy as np
+
+from . import _plans, _run_backward, _schedule, _sparse, _validate, _validate_gradients
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        chunk_size=None, softcap=0.0, alibi_slopes=None, bias=None, mask=None,
-                       sinks=None, layout="bhsd", dq=None, dk=None, dv=None):
+                       sinks=None, layout="bhsd", dq=None, dk=None, dv=None, key_indices=None):
     """Gradients of `cpuflash.attention` with respect to q, k, v (and sinks).
 
     Parameters
@@ -30,6 +32,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         gradient).
     dq, dk, dv : arrays, optional
         Where to write the gradients (the shapes and dtypes of q, k, v); returned.
+    key_indices : int array, optional
+        The forward's listed keys (`cpuflash.attention`): only they get gradients.
 
     Returns
     -------
@@ -47,7 +51,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     """
     q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
     key = None
-    if alibi_slopes is None and bias is None and mask is None and sinks is None:
+    if (alibi_slopes is None and bias is None and mask is None and sinks is None
+            and key_indices is None):
         key = _run_backward.plan_key(dout, q, k, v, out, lse, causal, scale, window,
                                      chunk_size, softcap, layout)
         setup = _plans.get(key) if key is not None else None
@@ -60,6 +65,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
         layout=layout, return_lse=True)
     grads = _validate_gradients.gradient_args(call, (q, k, v), dout, out, lse, dq, dk, dv, layout)
+    if key_indices is not None:
+        listed = _validate.key_indices_value(
+            key_indices, call, np.full(call.batch, call.n_k),
+            dict(alibi_slopes=alibi_slopes, bias=bias, mask=mask))
+        delta = _sparse.backward(call, grads, listed)
+        result = grads.result()
+        if call.sinks.size:
+            result += (_run_backward.sink_gradient(call.sinks, grads.lse, delta),)
+        return result
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
     if key is not None and q.ndim == 4:
         _plans.put(key, _run_backward.Backward(call, layout, seqs))

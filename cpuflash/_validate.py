@@ -596,6 +596,33 @@ def bits_view(data):
     return data if data.dtype == np.int8 else data.view(np.uint8)
 
 
+def key_indices_value(key_indices, call, n_keys, others):
+    """`key_indices` as (B, Hk, Nq, topk) int64 (a list for all kv heads broadcast over them),
+    each entry -1 (unused) or a key position of its batch entry, below `n_keys[b]`. `others`:
+    the call's arguments that cannot be combined with it, by name."""
+    for name, value in others.items():
+        if value is not None and value is not False:
+            _fail(ValueError, f"`key_indices` cannot be combined with `{name}`: listed keys "
+                              f"take causal, window, chunk_size, softcap and sinks only")
+    keys = int_array("key_indices", key_indices)
+    batch, n_kv, n_q = call.batch, call.n_kv_heads, call.n_q
+    if keys.ndim == 3 and keys.shape[:2] == (batch, n_q):
+        keys = keys[:, None]
+    if keys.ndim != 4 or keys.shape[:3] not in ((batch, n_kv, n_q), (batch, 1, n_q)):
+        _fail(ValueError, f"`key_indices` must be (batch, Nq, topk) = ({batch}, {n_q}, k) or "
+                          f"(batch, kv heads, Nq, topk) = ({batch}, {n_kv}, {n_q}, k), got shape "
+                          f"{keys.shape}")
+    keys = np.broadcast_to(keys.astype(np.int64), (batch, n_kv, n_q, keys.shape[3]))
+    limit = np.asarray(n_keys, dtype=np.int64)[:, None, None, None]
+    bad = (keys < -1) | (keys >= limit)
+    if bad.any():
+        at = tuple(int(x) for x in np.argwhere(bad)[0])
+        _fail(ValueError, f"`key_indices` must hold -1 (an unused slot) or key positions "
+                          f"0 .. {int(limit[at[0], 0, 0, 0]) - 1} of batch entry {at[0]}, got "
+                          f"{int(keys[at])} at {at} (kv head axis included)")
+    return keys
+
+
 def values_in_keys(k_cache, v_cache, k, v, value_dim):
     """(v_cache, v) for values that are the first `value_dim` columns of the keys (DeepSeek
     MLA's latent cache): views of `k_cache` and `k`, an 8-bit cache's with the keys' scales."""

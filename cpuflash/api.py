@@ -1,13 +1,15 @@
 """Public entry points: argument handling and docstrings; `_run` runs the validated calls."""
 
-from . import (_backward, _combine, _public, _quantize, _run, _schedule, _user_functions,
-               _validate)
+import numpy as np
+
+from . import (_backward, _combine, _public, _quantize, _run, _schedule, _sparse,
+               _user_functions, _validate)
 
 
 @_public.public(_validate.attention_args)
 def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
               alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
-              return_lse=False, out=None, tiles=None):
+              return_lse=False, out=None, tiles=None, key_indices=None):
     """Exact attention ``softmax(scale * Q K^T + modifiers) V``, tiled, never forming ``Nq x Nk``.
 
     Parameters
@@ -54,6 +56,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None
         Also return the log-sum-exp of each row's visible scores (natural log).
     out : array, optional
         Where to write the result (shape and dtype of the result); returned.
+    key_indices : (B, Nq, topk) or (B, Hk, Nq, topk) int array, optional
+        Sparse attention's top-k (DeepSeek V3.2): query row ``i`` of entry ``b`` sees only the
+        listed key positions (``-1``: an unused slot; listed positions distinct), AND causal,
+        `window` and `chunk_size`. The work grows with ``topk``, not with ``Nk``. Not with
+        `alibi_slopes`, `bias`, `mask` or `tiles`.
     tiles : TileConfig or (block_q, block_k), optional
         Override the tile sizes `choose_tiles` picks from this machine's caches. Key blocks
         then start at multiples of `block_k` for every window (the band blocks of narrow
@@ -83,7 +90,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None
     """
     key = None
     if (alibi_slopes is None and bias is None and mask is None and sinks is None
-            and tiles is None):
+            and tiles is None and key_indices is None):
         q, k, v = _validate.as_array("q", q), _validate.as_array("k", k), _validate.as_array("v", v)
         key = _run.plan_key("attention", q, k, v, None, causal, scale, window, chunk_size,
                             softcap, layout, 0, return_lse)
@@ -96,6 +103,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None
         q, k, v, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks,
         layout=layout, return_lse=return_lse, out=out, tiles=tiles)
+    if key_indices is not None:
+        listed = _validate.key_indices_value(
+            key_indices, call, np.full(call.batch, call.n_k),
+            dict(alibi_slopes=alibi_slopes, bias=bias, mask=mask, tiles=tiles))
+        _sparse.attention(call, listed)
+        return call.result(return_lse)
     return _run.attention(call, layout, key, out is not None, return_lse)
 
 
@@ -142,7 +155,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            causal=True, scale=None, window=None, chunk_size=None,
                            softcap=0.0, alibi_slopes=None, sinks=None, block_table=None,
                            layout="bhsd", num_splits=0, return_lse=False, score_mod=None,
-                           score_args=(), mask_mod=None, mask_args=(), value_dim=None):
+                           score_args=(), mask_mod=None, mask_args=(), value_dim=None,
+                           key_indices=None):
     """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
 
     Parameters
@@ -185,6 +199,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         are the first `value_dim` columns of the key cache (float, paged or 8-bit, where they
         take the keys' scales), new ones come inside `k` (``v=None``), and the output has
         `value_dim` columns. With numpy caches, ``v_cache=k_cache[..., :Dv]`` is the same.
+    key_indices : (B, Nq, topk) or (B, Hk, Nq, topk) int array, optional
+        As in `attention`, in cache positions after the write (``0 .. cache_seqlens[b] + Nnew
+        - 1``): only the listed keys are read, from contiguous or paged, float or 8-bit caches.
 
     Returns
     -------
@@ -203,7 +220,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     own = not (score_mod is None and mask_mod is None and _nothing(score_args)
                and _nothing(mask_args))
     if (block_table is None and alibi_slopes is None and sinks is None and not own
-            and value_dim is None and (k is None) == (v is None) and scales is not False):
+            and value_dim is None and key_indices is None and (k is None) == (v is None)
+            and scales is not False):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
         if scales is None:
@@ -227,6 +245,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         window=window, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, block_table=block_table, layout=layout, num_splits=num_splits,
         return_lse=return_lse, value_dim=value_dim)
+    if key_indices is not None:
+        listed = _validate.key_indices_value(
+            key_indices, call, call.n_keys, dict(alibi_slopes=alibi_slopes, score_mod=score_mod,
+                                                 mask_mod=mask_mod))
+        _sparse.kvcache(call, listed)
+        return call.result(return_lse)
     if own:
         call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,
                                                    mask_args, None, positions=True)
