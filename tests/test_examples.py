@@ -67,10 +67,23 @@ def check_fa1_vs_fa2(out):
     assert len(rows) == 2 and all(float(ms) > 0 for ms in rows), out
 
 
+def check_deepseek_mla_decode(out):
+    """Its exit status alone would pass if a check stopped running: each of its four checks (the
+    latent row, the absorbed step against the layer's own, top-k against a masked softmax, the
+    timed case against torch) printed an error under 1e-4, and the timing line both times."""
+    errors = re.findall(r"^  .*: max abs error (\S+) \(relative to max \|expected\|\)$", out,
+                        re.MULTILINE)
+    assert len(errors) == 4 and all(float(err) < 1e-4 for err in errors), out
+    assert re.search(r"absorbed step, 128 heads .*: cpuflash \d+\.\d+ ms .*, torch's three "
+                     r"lines \d+\.\d+ ms", out), out
+    assert out.endswith("OK\n"), out
+
+
 # what some examples print, checked after their --small run
 OUTPUT_CHECKS = {"quantized_kv_cache.py": check_quantized_kv_cache,
                  "torch_interop.py": check_torch_interop,
-                 "fa1_vs_fa2.py": check_fa1_vs_fa2}
+                 "fa1_vs_fa2.py": check_fa1_vs_fa2,
+                 "deepseek_mla_decode.py": check_deepseek_mla_decode}
 
 
 @pytest.mark.slow
