@@ -56,7 +56,7 @@ def test_no_items():
 ])
 def test_work_item_pairs_follow_the_kernel_key_range(window, key_align, pairs):
     seqs = _schedule.sequence_table(300, 300, 1)
-    items, cost = _schedule.work_items(seqs, 1, 100, window, key_align)
+    items, cost = _schedule.work_items(seqs, 1, 100, window, 0, key_align)
     assert items[:, 2].tolist() == [0, 100, 200]
     assert (cost - _schedule.ITEM_OVERHEAD).tolist() == pairs
 
@@ -71,17 +71,17 @@ def test_key_item_pairs_follow_the_kernel_query_range(window, pairs):
     of the query tiles (20 rows, from multiples of 20) that see a key of it, for each query
     head of the group."""
     seqs = _schedule.sequence_table(300, 300, 1)
-    items, cost = _schedule.key_items(seqs, 1, 1, 100, 20, window)
+    items, cost = _schedule.key_items(seqs, 1, 1, 100, 20, window, 0)
     assert items[:, 2].tolist() == [0, 100, 200]
     assert (cost - _schedule.ITEM_OVERHEAD).tolist() == pairs
-    items, cost2 = _schedule.key_items(seqs, 2, 3, 100, 20, window)
+    items, cost2 = _schedule.key_items(seqs, 2, 3, 100, 20, window, 0)
     assert items[:, 1].tolist() == [0, 1] * 3
     assert (cost2 - _schedule.ITEM_OVERHEAD).tolist() == [3 * p for p in pairs for _ in "ab"]
 
 
 def test_whole_sequences_sum_their_key_items():
     seqs = _schedule.varlen_table(np.array([0, 50, 50, 250]), np.array([0, 0, 100, 400]))
-    items, cost = _schedule.key_items(seqs, 2, 1, 64, 24, (-1, -1))
+    items, cost = _schedule.key_items(seqs, 2, 1, 64, 24, (-1, -1), 0)
     whole, total = _schedule.whole_sequences(seqs, 2, items, cost)
     assert whole.tolist() == [[s, h, 0] for s in range(3) for h in range(2)]
     # no keys: no key items, the overhead alone (its dQ is still written); no queries: two
