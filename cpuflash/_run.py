@@ -12,6 +12,8 @@ import numpy as np
 
 from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
 from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
+from .kernels._convert import BFLOAT16
+from .kernels._pairs import FORWARD_PAIRS
 from .kernels.decode import decode as decode_kernel, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
 
@@ -33,8 +35,8 @@ def attention(call, layout, key, out_given, return_lse):
     if not (call.n_q and call.batch and call.n_heads):
         return call.result(return_lse)
     group = call.n_heads // call.n_kv_heads
-    if (call.n_q == 1 and call.n_k and group <= tiling.DECODE_MAX_ROWS and call.tiles is None
-            and not call.bias.size and not call.mask.size):
+    if (call.n_q == 1 and call.n_k and call.tiles is None and not call.bias.size
+            and not call.mask.size and (group <= tiling.DECODE_MAX_ROWS or not foldable(call))):
         # one query row (a decoding step): the streaming decode kernel, in a number of key
         # splits that no thread count changes (the results must not depend on it). Calls of a
         # few rows keep the FA-2 kernel, which `python -m cpuflash warmup` compiles with one.
@@ -74,7 +76,8 @@ def kvcache(call, layout, key, return_lse):
     group = call.n_heads // call.n_kv_heads
     # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
     # the FA-2 kernel would need a float copy)
-    if group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None:
+    if (group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None
+            or (call.n_q == 1 and not foldable(call))):
         setup = Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
@@ -93,11 +96,16 @@ def kvcache(call, layout, key, return_lse):
 
 
 def foldable(call):
-    """Whether a call is one decoding step of a large GQA/MQA group (one query row per head,
-    more heads to a kv head than the streaming kernel serves) whose rows all see the same keys
+    """Whether a decoding step of a large GQA/MQA group (one query row per head, more heads to
+    a kv head than `DECODE_MAX_ROWS`) runs faster as the FA-2 forward of its groups
+    (`forward_folded`) than in the streaming kernel, which reads each key row once for all
+    the group's rows too and splits the keys over the threads: where the FA-2 tiles multiply
+    bfloat16 pairs (AVX512-BF16, AMX) and the streaming kernel widens (measured: docs/
+    performance.md, "Large groups, MLA and top-k keys"). Its rows must all see the same keys
     through the same steps: no step that depends on the head or the row (ALiBi, bias, mask,
-    sinks, the user's functions) and an unquantized cache."""
+    sinks, the user's functions), and an unquantized cache."""
     return (call.n_q == 1 and call.n_heads // call.n_kv_heads > tiling.DECODE_MAX_ROWS
+            and call.half_kind == BFLOAT16 and FORWARD_PAIRS
             and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
             and not call.bias.size and not call.mask.size and not call.sinks.size
             and call.user is _call.NO_USER_FUNCTIONS)

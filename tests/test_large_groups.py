@@ -1,7 +1,8 @@
 """Decoding with large GQA/MQA groups (DeepSeek's absorbed MLA: 128 query heads on one latent
-head): the heads of a group are folded into the query rows of one tile (`_run.forward_folded`).
-Against the dense reference, for every option a folded call takes, and the same bits for any
-thread count."""
+head): the streaming kernel takes the group's heads as its rows, or, for bfloat16 where the FA-2
+tiles multiply pairs, the heads are folded into the query rows of one FA-2 tile
+(`_run.forward_folded`). Both routes against the dense reference, for every option they take,
+and the same bits for any thread count."""
 
 import numba
 import numpy as np
@@ -15,39 +16,47 @@ from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_
                      with_new_keys)
 
 
-def folds(monkeypatch):
-    """Record whether the calls that follow were folded."""
+def route(monkeypatch, folded):
+    """Make the calls that follow take the folded route (for bfloat16, on any CPU: where no
+    pairs are multiplied the FA-2 tiles widen) or the streaming kernel; returns the list that
+    records each folded call."""
     seen = []
     real = _run.forward_folded
+    monkeypatch.setattr(_run, "FORWARD_PAIRS", folded)
     monkeypatch.setattr(_run, "forward_folded", lambda *a: seen.append(True) or real(*a))
     return seen
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
 @pytest.mark.parametrize("hq,hk", [(32, 1), (64, 2), (128, 1)])
 @pytest.mark.parametrize("options", [dict(), dict(window=(100, 0)), dict(chunk_size=64),
                                      dict(softcap=20.0, scale=0.3),
                                      dict(causal=False, window=(-1, 3))])
-def test_kvcache(rng, monkeypatch, hq, hk, options):
-    seen = folds(monkeypatch)
+def test_kvcache(rng, monkeypatch, folded, hq, hk, options):
+    seen = route(monkeypatch, folded)
+    dtype = low_precision_dtype("bfloat16") if folded else np.float32
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=hq, hk=hk, n_max=300,
-                                                     d=72, d_v=40, seqlens=[250, 0])
+                                                     d=72, d_v=40, seqlens=[250, 0], dtype=dtype)
     out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
                                                cache_seqlens=seqlens, return_lse=True, **options)
-    assert seen
+    assert bool(seen) == folded
     k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens + 1,
-                  **dict(dict(causal=True), **options))
+                  plain_dtype=dtype if folded else None, **dict(dict(causal=True), **options))
 
 
-def test_mla_values_inside_the_keys(rng, monkeypatch):
+@pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
+def test_mla_values_inside_the_keys(rng, monkeypatch, folded):
     """DeepSeek's absorbed MLA: 128 heads of 576 dims on one latent row, whose first 512 dims
     are the values (a numpy view of the key cache)."""
-    seen = folds(monkeypatch)
-    q = rng.standard_normal((1, 128, 1, 576)).astype(np.float32)
-    latent = rng.standard_normal((1, 1, 700, 576)).astype(np.float32)
+    seen = route(monkeypatch, folded)
+    dtype = low_precision_dtype("bfloat16") if folded else np.float32
+    q = rng.standard_normal((1, 128, 1, 576)).astype(dtype)
+    latent = rng.standard_normal((1, 1, 700, 576)).astype(dtype)
     out = cpuflash.attention_with_kvcache(q, latent, latent[..., :512], scale=0.05)
-    assert seen and out.shape == (1, 128, 1, 512)
-    assert_close_to_reference(out, q, latent, latent[..., :512], scale=0.05, causal=True)
+    assert bool(seen) == folded and out.shape == (1, 128, 1, 512)
+    assert_close_to_reference(out, q, latent, latent[..., :512], scale=0.05, causal=True,
+                              plain_dtype=dtype if folded else None)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
@@ -75,38 +84,48 @@ def test_paged_and_bshd(rng):
     np.testing.assert_array_equal(bshd.swapaxes(1, 2), paged)
 
 
-def test_attention_one_row(rng, monkeypatch):
-    """`cpuflash.attention` with one query row takes the same route."""
-    seen = folds(monkeypatch)
-    q = rng.standard_normal((2, 64, 1, 64)).astype(np.float32)
-    k, v = (rng.standard_normal((2, 2, 333, 64)).astype(np.float32) for _ in range(2))
+@pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
+def test_attention_one_row(rng, monkeypatch, folded):
+    """`cpuflash.attention` with one query row takes the same routes."""
+    seen = route(monkeypatch, folded)
+    dtype = low_precision_dtype("bfloat16") if folded else np.float32
+    q = rng.standard_normal((2, 64, 1, 64)).astype(dtype)
+    k, v = (rng.standard_normal((2, 2, 333, 64)).astype(dtype) for _ in range(2))
     out, lse = cpuflash.attention(q, k, v, causal=True, window=(50, 0), return_lse=True)
-    assert seen
-    assert_close_to_reference(out, q, k, v, lse=lse, causal=True, window=(50, 0))
+    assert bool(seen) == folded
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=True, window=(50, 0),
+                              plain_dtype=dtype if folded else None)
 
 
 @pytest.mark.parametrize("options", [
     dict(alibi_slopes=np.linspace(0.01, 0.3, 64, dtype=np.float32)),
     dict(sinks=np.linspace(-1, 1, 64, dtype=np.float32))])
 def test_head_dependent_steps_are_not_folded(rng, monkeypatch, options):
-    seen = folds(monkeypatch)
+    seen = route(monkeypatch, True)
+    dtype = low_precision_dtype("bfloat16")
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=64, hk=2, n_max=150,
-                                                     seqlens=[150])
+                                                     seqlens=[150], dtype=dtype)
     out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **options)
     assert not seen
-    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True, **options)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True, plain_dtype=dtype,
+                  **options)
 
 
-def test_thread_count_changes_no_bit(rng):
+@pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
+def test_thread_count_changes_no_bit(rng, monkeypatch, folded):
+    """For a given `num_splits` (the streaming kernel's automatic choice follows the threads,
+    as for any KV-cache call); the folded route's tiles of rows follow them too, its bits not."""
+    route(monkeypatch, folded)
+    dtype = low_precision_dtype("bfloat16") if folded else np.float32
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=128, hk=1, n_max=1000,
-                                                     d=128, d_v=128, seqlens=[999])
+                                                     d=128, d_v=128, seqlens=[999], dtype=dtype)
     before = numba.get_num_threads()
     results = []
     try:
         for threads in sorted({1, before}):
             numba.set_num_threads(threads)
             results.append(cpuflash.attention_with_kvcache(q, k_cache, v_cache,
-                                                           cache_seqlens=seqlens,
+                                                           cache_seqlens=seqlens, num_splits=3,
                                                            return_lse=True))
     finally:
         numba.set_num_threads(before)
