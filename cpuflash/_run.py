@@ -77,7 +77,7 @@ def kvcache(call, layout, key, return_lse):
     # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
     # the FA-2 kernel would need a float copy)
     if (group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None
-            or (call.n_q == 1 and not foldable(call))):
+            or (call.n_q <= tiling.DECODE_MAX_QUERIES and not foldable(call))):
         setup = Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())

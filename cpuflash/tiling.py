@@ -315,6 +315,11 @@ def cpu_info():
 # Query rows (heads of a GQA group x query rows) up to which the streaming decode kernel beats
 # the packed FA-2 kernel: past this a key block is re-used by enough rows to be worth packing.
 DECODE_MAX_ROWS = 16
+# Query rows per head up to which a KV-cache call streams whatever its group: the FA-2 forward
+# takes a head at a time, so it reads every key block once per head for these few rows, where
+# the streaming kernel reads it once for the group (Zen 4, and its AVX2 build: 1.2-6.5x at 2-8
+# rows for groups of 8-128; at 16 rows from 0.75x to 1.5x: docs/performance.md, "Large groups")
+DECODE_MAX_QUERIES = 8
 # A split shorter than this spends more on merging and per-item set-up than it gains.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 64

@@ -45,6 +45,21 @@ def test_kvcache(rng, monkeypatch, folded, hq, hk, options):
                   plain_dtype=dtype if folded else None, **dict(dict(causal=True), **options))
 
 
+@pytest.mark.parametrize("n_q", [2, 8, 9])
+@pytest.mark.parametrize("options", [dict(), dict(window=(60, 0)), dict(chunk_size=50)])
+def test_a_few_rows_a_head(rng, n_q, options):
+    """Speculative or multi-token decoding: a few query rows of a large group, new keys
+    written (streamed up to `tiling.DECODE_MAX_QUERIES` rows, the FA-2 forward past it)."""
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=64, hk=2, n_max=300,
+                                                     d=64, d_v=48, n_new=n_q, n_q=n_q,
+                                                     seqlens=[250, 3])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True, **options)
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens + n_q,
+                  **dict(dict(causal=True), **options))
+
+
 @pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
 def test_mla_values_inside_the_keys(rng, monkeypatch, folded):
     """DeepSeek's absorbed MLA: 128 heads of 576 dims on one latent row, whose first 512 dims
