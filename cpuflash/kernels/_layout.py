@@ -1,8 +1,9 @@
 """What every tile step shares: the micro-tiles' sizes, a tile's buffers and the columns a row
 sees, and the two-vector stores the micro-kernels end with.
 
-`_steps` (float tiles), `_pairs` (bfloat16 pairs) and `_tiles` (AMX) build on these; none of them
-is imported here, so the three import this module and `_steps` imports the other two.
+`_products` (float tiles), `_pairs` (bfloat16 pairs) and `_tiles` (AMX) build on these; none of
+them is imported here, so the three import this module and `_products` imports the other two
+(`_steps`, the score pipeline's steps, imports `_products`).
 """
 
 import numpy as np

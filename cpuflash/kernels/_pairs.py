@@ -142,7 +142,7 @@ def _transposed_pair_buffers(block_q, block_k, d, d_v, q, like, half_kind):
 
 def tn_tile_pairs(a, transposed, transposed_pairs, b_pairs, acc, ones, rows, cols, lo_off,
                   hi_off):
-    """`_steps.tn_tile` on pairs: acc[c] += sum_r a[r, c] * b[r] for the tile's columns c <
+    """`_products.tn_tile` on pairs: acc[c] += sum_r a[r, c] * b[r] for the tile's columns c <
     cols, with `a` (P or dS) transposed into `transposed`, rounded to bfloat16, and `b` (dO or
     Q) as pairs of rows: `pv_tile_pairs` of the transposed tile, whose rows are keys (column c
     is seen by the rows c - hi_off .. c - lo_off). `ones` (rescale factors of 1) has at least
@@ -346,7 +346,7 @@ def _finite_pairs(v_pairs, first, end, like):
 
 @jit
 def qk_tile_pairs(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
-    """`_steps.qk_tile` on pairs: scores[:rows, :cols] = mult * (Q @ K^T), the same panels and
+    """`_products.qk_tile` on pairs: scores[:rows, :cols] = mult * (Q @ K^T), the same panels and
     row groups, two panels at a time (the CPUs with AVX512-BF16 have 32 vector registers)."""
     w = k_pairs.shape[2] // 2
     panels = (cols + w - 1) // w
@@ -369,7 +369,7 @@ def qk_tile_pairs(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
 @jit
 def _qk_pairs6w(q_pairs, r, k_pairs, panel, scores, mult):
     """Six rows x two panels (four vectors) of scores in 24 registers, `PAIR_CHUNK` pairs of
-    the sum at a time (the two-level sum of `_steps._qk_micro6`)."""
+    the sum at a time (the two-level sum of `_products._qk_micro6`)."""
     qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
     n = _simd.LANES_F32
     sw = scores.shape[1]
@@ -465,7 +465,7 @@ def _qk_pairs1(q_pairs, r, k_pairs, panel, scores, mult):
 # -- P V
 
 def pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_off):
-    """`_steps.pv_tile` on pairs: P (float32, from `softmax_update`) rounded to bfloat16 over
+    """`_products.pv_tile` on pairs: P (float32, from `softmax_update`) rounded to bfloat16 over
     the keys each row group reads, then acc[r] = alpha[r] * acc[r] + sum_c P[r, c] * v[c] with
     the same row groups, column slices and key ranges (a no-op for buffers that are not
     uint16)."""

@@ -14,8 +14,8 @@ tile of 16 rows of 16 bfloat16 pairs, into a C tile of 16 x 16 float32. So:
 
 Each step covers 32 query rows by 32 columns in four C tiles (two A tiles and two B tiles per 32
 terms of the sum, the 2 x 2 blocking of AMX GEMMs), fewer at a tile's edge. A step's scores are
-scaled as soon as its tiles are stored (in float32, as `_steps.qk_tile` scales the finished sums),
-and the accumulator is rescaled by alpha before ``P V`` adds to it. The float32 sums run over the
+scaled as soon as its tiles are stored (in float32, as `_products.qk_tile` scales its finished
+sums), and the accumulator is rescaled by alpha before ``P V`` adds to it. The float32 sums run over the
 whole head dim (or the block's keys) in one accumulator, not in chunks: bfloat16's rounding of the
 output, 2^-9, is far above what that costs.
 
@@ -37,7 +37,7 @@ STEP = 2 * T  # rows and columns a step covers, and terms of the sum an A tile h
 @jit
 def qk_tiles(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
     """scores[:rows, :cols] = mult * (Q @ K^T); blocks of 32 x 32 that no row sees are
-    skipped, their scores left for the band mask (as `_steps.qk_tile`). A `mult` of 1 (Q came
+    skipped, their scores left for the band mask (as `_products.qk_tile`). A `mult` of 1 (Q came
     scaled: `_pairs.folded_scale`) takes a build without the scaling: its mere presence, not
     taken, slowed the forward measurably (docs/history.md, "bfloat16", AMX tiles on the
     Xeon)."""

@@ -35,7 +35,7 @@ same terms in the same order less terms that are 0, so finite rows keep their bi
 
 The tiles are laid out as the forward's (`_steps`): rows are query rows in both passes, so the
 score pipeline is the forward's steps in the forward's orientation, and the products that sum
-over query rows (dV, dK) use `_steps.tn_tile`, whose broadcasts read the tile transposed.
+over query rows (dV, dK) use `_products.tn_tile`, whose broadcasts read the tile transposed.
 
 bfloat16 inputs where the dot products pay (`_simd.BF16_DOT`) or on AMX tiles (`_amx.TILES`):
 the five products are bfloat16 dot products with float32 accumulation (`_pairs`, whose two
@@ -54,7 +54,7 @@ from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
 from .._simd import vfma, vhsum, vload, vzeros
-from . import _layout, _pairs, _pipeline, _steps, _user
+from . import _layout, _pairs, _pipeline, _products, _steps, _user
 
 # True in `fa2_backward_plain`'s copies of the passes (`_jit.variant`), for calls with no
 # modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -141,10 +141,10 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                                              shift, block_q)
 
             # -- this block's keys and values, once for every query head of the group
-            _steps.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
-            _steps.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
+            _products.pack_key_panels(k, batch_k, hk, k_start + k0, cols, k_panels, half_kind)
+            _products.pack_key_panels(v, batch_k, hk, k_start + k0, cols, v_panels, half_kind)
             if fused:
-                _steps.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
+                _products.pack_rows(k, batch_k, hk, k_start + k0, cols, k_rows, half_kind)
             if pairs:
                 _pairs.pack_panel_pairs(k, batch_k, hk, k_start + k0, cols, k_panel_pairs)
                 _pairs.pack_panel_pairs(v, batch_k, hk, k_start + k0, cols, v_panel_pairs)
@@ -152,8 +152,8 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                     _pairs.pack_row_pairs(k, batch_k, hk, k_start + k0, cols, k_row_pairs)
             dk_acc[:cols, :] = 0.0
             dv_acc[:cols, :] = 0.0
-            keys_finite = (_steps.finite_panels(k_panels, cols)
-                           and _steps.finite_panels(v_panels, cols))
+            keys_finite = (_products.finite_panels(k_panels, cols)
+                           and _products.finite_panels(v_panels, cols))
 
             for h in range(hk * group, (hk + 1) * group):
                 for q0 in range(q_lo, q_hi, block_q):
@@ -184,7 +184,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                                        rows, cols, at, band, mods, no_pre)
 
                     # -- P = exp(S - lse), dS = P (dP - delta)
-                    _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
+                    _products.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows,
                                            cols, lo_off, hi_off, has_chain, q)
 
                     # -- dV += P^T dO, dK += dS^T Q (and dQ += dS K); where some row
@@ -209,8 +209,8 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                         _pairs.tn_tile_pairs(dp, transposed, transposed_pairs, q_row_pairs,
                                              dk_acc, ones, rows, cols, lo_off, hi_off)
                     else:
-                        _steps.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
-                        _steps.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
+                        _products.tn_tile(scores, do_rows, dv_acc, rows, cols, lo_off, hi_off)
+                        _products.tn_tile(dp, q_rows, dk_acc, rows, cols, lo_off, hi_off)
                     if fused:
                         row0 = _acc_row(dq, batch_q, h, q_start + q0)
                         _add_ds_k(dp, k_rows, dq_acc[row0:row0 + rows], ones, rows, cols,
@@ -218,14 +218,14 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
                                   k_row_pairs)
 
             # -- each row of dK and dV written once
-            _steps.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
+            _products.store_rows(dk_acc, cols, qk_scale, dk, batch_k, hk, k_start + k0,
                               half_kind)
-            _steps.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
+            _products.store_rows(dv_acc, cols, 1.0, dv, batch_k, hk, k_start + k0, half_kind)
 
         if fused:
             for h in range(hk * group, (hk + 1) * group):
                 row0 = _acc_row(dq, batch_q, h, q_start)
-                _steps.store_rows(dq_acc[row0:row0 + n_q], n_q, qk_scale, dq, batch_q, h,
+                _products.store_rows(dq_acc[row0:row0 + n_q], n_q, qk_scale, dq, batch_q, h,
                                   q_start, half_kind)
 
 
@@ -278,9 +278,9 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
             band = (inside, lo_off, hi_off, left, right)
 
             # -- the block's keys (as panels and as rows) and values
-            _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
-            _steps.pack_rows(k, batch_k, hk, k_start + kb, cols, k_rows, half_kind)
-            _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+            _products.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
+            _products.pack_rows(k, batch_k, hk, k_start + kb, cols, k_rows, half_kind)
+            _products.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
 
             # -- S and dP, as in the key pass
             at = (seq, h, q0, kb, diag0, batch_q, state)
@@ -295,17 +295,17 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
                                cols, at, band, mods, no_pre)
 
             # -- P and dS
-            _steps.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
+            _products.probs_and_grads(scores, dp, chain, lse_rows, delta_rows, rows, cols,
                                    lo_off, hi_off, has_chain, q)
 
             # -- dQ += dS K (over what each row sees only, as in the key pass)
             exact = (not inside or _steps.masks_keys(mods, state)) and not (
-                rows_finite and _steps.finite_panels(k_panels, cols)
-                and _steps.finite_panels(v_panels, cols))
+                rows_finite and _products.finite_panels(k_panels, cols)
+                and _products.finite_panels(v_panels, cols))
             _add_ds_k(dp, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, visible,
                       at, pairs, ds_pairs, k_row_pairs)
 
-        _steps.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
+        _products.store_rows(dq_rows, rows, qk_scale, dq, batch_q, h, q_start + q0, half_kind)
 
 
 def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, block_k,
@@ -350,13 +350,13 @@ def _score_arg_grads(q, k, v, dout, lse, delta, seqs, items, slot_ptr, block_q, 
                     continue
                 inside, lo_off, hi_off = _steps.block_band(diag0, rows, kb, cols, left,
                                                            right, mods.chunk)
-                _steps.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
-                _steps.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
+                _products.pack_key_panels(k, batch_k, hk, k_start + kb, cols, k_panels, half_kind)
+                _products.pack_key_panels(v, batch_k, hk, k_start + kb, cols, v_panels, half_kind)
                 at = (seq, h, q0, kb, diag0, batch_q, state)
                 _steps.score_tile(q_tile, k_panels, scores, no_chain, rows, cols, at,
                                   (inside, lo_off, hi_off, left, right), mods, pre)
-                _steps.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
-                _steps.probs_and_grads(scores, dp, no_chain, lse_rows, delta_rows, rows, cols,
+                _products.qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, lo_off, hi_off)
+                _products.probs_and_grads(scores, dp, no_chain, lse_rows, delta_rows, rows, cols,
                                        lo_off, hi_off, False)
                 _user.score_grad_tile(grad_fns, dp, pre, rows, cols, (lo_off, hi_off),
                                       (batch_q, h, _user.query_index(mods, q0, diag0), kb),
@@ -376,9 +376,9 @@ def _copy_into(dst, src, rows, cols):
 def _finite_rows(q_tile, do_tile, lse_rows, delta_rows, rows):
     """Whether a query tile's rows hold only finite queries, output gradients, deltas and
     log-sum-exps (-inf allowed: a row that sees no key)."""
-    return (_steps.finite_lse(lse_rows, delta_rows, rows)
-            and _steps.finite_tile(q_tile, rows, q_tile.shape[1])
-            and _steps.finite_tile(do_tile, rows, do_tile.shape[1]))
+    return (_products.finite_lse(lse_rows, delta_rows, rows)
+            and _products.finite_tile(q_tile, rows, q_tile.shape[1])
+            and _products.finite_tile(do_tile, rows, do_tile.shape[1]))
 
 
 @jit
@@ -393,7 +393,7 @@ def _add_ds_k(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off, exact, mods
         _pairs.pv_tile_pairs(ds, ds_pairs, k_row_pairs, dq_rows, ones, rows, cols, lo_off,
                              hi_off)
     else:
-        _steps.pv_tile(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
+        _products.pv_tile(ds, k_rows, dq_rows, ones, rows, cols, lo_off, hi_off)
 
 
 @jit
@@ -402,7 +402,7 @@ def _scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, rows,
     """S (the score pipeline: `_steps.score_tile`) and dP = dO V^T of a query tile, as floats
     or as bfloat16 dot products (`_pairs`)."""
     _steps.score_tile(q_tile, k_panels, scores, chain, rows, cols, at, band, mods, pre)
-    _steps.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
+    _products.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
 
 
 @jit
@@ -410,7 +410,7 @@ def _band_scores_and_dp(q_tile, do_tile, k_panels, v_panels, scores, dp, chain, 
                         band, mods, pre):
     """`_scores_and_dp` of a call with no modifier but its band (`fa2_backward_plain`)."""
     _steps.band_scores(q_tile, k_panels, scores, rows, cols, mods.scale, at[4] - at[3], band)
-    _steps.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
+    _products.any_qk_tile(do_tile, v_panels, dp, rows, cols, 1.0, band[1], band[2])
 
 
 @jit
@@ -451,8 +451,8 @@ def _rows_buffer(n_rows, dim, like):
 def _store_deltas(dout, out, b, h, start, rows, do_rows, o_rows, delta, half_kind):
     """delta[b, h, start + r] = dout[b, h, start + r] . out[b, h, start + r] for r < rows, in
     the compute dtype, summed in the same order whatever the strides of dout and out."""
-    _steps.pack_rows(dout, b, h, start, rows, do_rows, half_kind)
-    _steps.pack_rows(out, b, h, start, rows, o_rows, half_kind)
+    _products.pack_rows(dout, b, h, start, rows, do_rows, half_kind)
+    _products.pack_rows(out, b, h, start, rows, o_rows, half_kind)
     n, width = _layout.lanes(do_rows), do_rows.shape[1]
     for r in range(rows):
         total = vzeros(do_rows)
@@ -466,8 +466,8 @@ def _load_query_tile(q, dout, lse, delta, b, h, start, rows, q_tile, do_tile, ls
                      delta_rows, half_kind):
     """The rows start .. start + rows - 1 of query head h: its queries, output gradients,
     log-sum-exps and deltas, widened to the compute dtype."""
-    _steps.pack_rows(q, b, h, start, rows, q_tile, half_kind)
-    _steps.pack_rows(dout, b, h, start, rows, do_tile, half_kind)
+    _products.pack_rows(q, b, h, start, rows, q_tile, half_kind)
+    _products.pack_rows(dout, b, h, start, rows, do_tile, half_kind)
     for r in range(rows):
         lse_rows[r] = lse[b, h, start + r]
         delta_rows[r] = delta[b, h, start + r]

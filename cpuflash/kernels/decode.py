@@ -42,7 +42,7 @@ from numba.np.numpy_support import as_dtype
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
 from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
-from . import _layout, _pipeline, _steps, _user
+from . import _layout, _pipeline, _products, _steps, _user
 from ._convert import load_widened, row_offset, unit, vector_rows, widen
 
 
@@ -66,10 +66,10 @@ SERIAL_WORK = 1 << 17
 # The helpers below only read and write arrays that their caller holds, so they are compiled
 # without reference counting (`jit_borrowing`): with it, the atomic counts of the arrays passed
 # from call to call took half the time of a short item (64 keys). `_finish_rows` is
-# `_steps.finish_rows` compiled so, `_modify_rows` `_steps.modify_tile` and `_band_rows`
+# `_products.finish_rows` compiled so, `_modify_rows` `_steps.modify_tile` and `_band_rows`
 # `_steps.band_mask_tile` (the same code; their own cache entries would collide with the counted
 # ones, and they are compiled into the cached kernel anyway).
-_finish_rows = jit_borrowing(_steps.finish_rows.py_func, cache=False)
+_finish_rows = jit_borrowing(_products.finish_rows.py_func, cache=False)
 _modify_rows = jit_borrowing(_steps.modify_tile.py_func, cache=False)
 _band_rows = jit_borrowing(_steps.band_mask_tile.py_func, cache=False)
 
@@ -247,7 +247,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
 
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
-            _steps.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
+            _products.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
             if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
                 _scale_columns(scores, rows, cols, v_scale, unit(v_cache), block_table, b, hk, kb,
                                page_size, True)
@@ -653,8 +653,8 @@ def _pv_rows(scores, values, runs, width, acc, alpha, rows, half_kind, later, la
     group sums would give that row 0 * inf = NaN.
 
     Each query row's block sum starts from zero in registers, adds the value rows in order and
-    joins `acc` once (`_layout.rescale_add`), as in `_steps.pv_tile`, so the bits do not depend on
-    the grouping below. A head dim of eight vectors in a float cache takes two query rows x
+    joins `acc` once (`_layout.rescale_add`), as in `_products.pv_tile`, so the bits do not depend
+    on the grouping below. A head dim of eight vectors in a float cache takes two query rows x
     whole value rows at a time (every value row read front to back, nothing else loaded but
     P); others take four rows x four vectors, then four rows x one, the four-vector passes of
     the first four rows prefetching meanwhile the same columns of the rows in `later` given as

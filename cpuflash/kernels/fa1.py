@@ -12,7 +12,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array
-from . import _layout, _steps
+from . import _layout, _products, _steps
 
 
 def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
@@ -36,14 +36,14 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
         out[b, h, :, :] = 0.0
         for kb in range(0, n_k, block_k):
             cols = min(block_k, n_k - kb)
-            _steps.pack_key_panels(k, b, hk, kb, cols, k_panels, 0)
-            _steps.pack_rows(v, b, hk, kb, cols, v_tile, 0)
+            _products.pack_key_panels(k, b, hk, kb, cols, k_panels, 0)
+            _products.pack_rows(v, b, hk, kb, cols, v_tile, 0)
             for q0 in range(0, n_q, block_q):
                 rows = min(block_q, n_q - q0)
                 if causal and kb > q0 + rows - 1 + shift:
                     continue  # the whole block is above the diagonal
-                _steps.pack_query_groups(q, b, h, q0, rows, q_tile, 0)
-                _steps.qk_tile(q_tile, k_panels, scores, rows, cols, qk_scale, *everything)
+                _products.pack_query_groups(q, b, h, q0, rows, q_tile, 0)
+                _products.qk_tile(q_tile, k_panels, scores, rows, cols, qk_scale, *everything)
                 if causal and kb + cols - 1 > q0 + shift:
                     _steps.band_mask_tile(scores, rows, cols, q0 + shift - kb, -1, right,
                                           *everything)
@@ -54,8 +54,8 @@ def _fa1_forward(q, k, v, out, lse, qk_scale, causal, block_q, block_k):
                     tile_sum[r] = row_sum[q0 + r]
                     for x in range(dv):
                         acc[r, x] = out[b, h, q0 + r, x] * tile_sum[r]
-                _steps.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols, *everything)
-                _steps.pv_tile(scores, v_tile, acc, alpha, rows, cols, *everything)
+                _products.softmax_update(scores, tile_max, tile_sum, alpha, rows, cols, *everything)
+                _products.pv_tile(scores, v_tile, acc, alpha, rows, cols, *everything)
                 for r in range(rows):
                     norm = 1.0 / tile_sum[r] if tile_sum[r] != 0 else 0.0
                     for x in range(dv):

@@ -22,7 +22,7 @@ import numpy as np
 from numba import prange, types
 
 from .._jit import Kernel, array, jit, variant
-from . import _layout, _pairs, _pipeline, _steps, _user
+from . import _layout, _pairs, _pipeline, _products, _steps, _user
 
 # True in `fa2_forward_plain`'s copies of the functions below (`_jit.variant`), for calls with
 # no modifier but a causal mask or a window: Numba then compiles none of the others' branches
@@ -91,7 +91,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
         if pairs:
             _pairs.pack_query_pairs(q, batch_q, h, q_start + q0, rows, q_pairs, q_scale)
         else:
-            _steps.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
+            _products.pack_query_groups(q, batch_q, h, q_start + q0, rows, q_tile,
                                      half_kind)
         row_max[:rows] = -np.inf
         row_sum[:rows] = 0.0
@@ -138,9 +138,9 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                 else:
                     k_panels, v_tile = k_kept[s], v_kept[s]
                     if not held:
-                        _steps.pack_key_panels(k, batch_k, hk, k_start + kb + first,
+                        _products.pack_key_panels(k, batch_k, hk, k_start + kb + first,
                                                end - first, k_panels[first // w:], half_kind)
-                        _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                        _products.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                          v_tile[first:], half_kind)
 
             # -- S = scale * Q K^T and the score modifiers, in the order of the score
@@ -158,7 +158,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                 _steps.score_tile(q_pairs, k_pairs, scores, no_chain, rows, cols, at, band,
                                   mods, no_chain)
             elif state == _user.PARTIAL:  # (the mask_mod's answers are in `seen`)
-                _steps.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
+                _products.qk_columns(q_tile, k_panels, scores, tile_rows, cols,
                                   _pipeline.product_scale(mods), lo_off, hi_off, c_lo, c_hi)
                 _steps.modify_tile(scores, no_chain, tile_rows, cols,
                                    (seq, h, q0, kb, diag0, batch_q, _user.FULL), band, mods,
@@ -169,7 +169,7 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                   mods, no_chain)
 
             # -- online softmax: new row max, rescale factor alpha, P = exp(S - max)
-            _steps.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
+            _products.softmax_update(scores, row_max, row_sum, alpha, tile_rows, cols, lo_off,
                                   hi_off, q)
 
             # -- acc = alpha * acc + P V; where some row cannot see every key and a value
@@ -179,19 +179,19 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
                                                         (end + 1) // 2, scores)):
                 _pairs.pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols,
                                      lo_off, hi_off)
-            elif not pairs and (simple or _steps.finite_rows(v_tile, first, end)):
-                _steps.pv_columns(scores, v_tile, acc, alpha, tile_rows, cols, lo_off, hi_off,
+            elif not pairs and (simple or _products.finite_rows(v_tile, first, end)):
+                _products.pv_columns(scores, v_tile, acc, alpha, tile_rows, cols, lo_off, hi_off,
                                   c_lo, c_hi)
             else:
                 if pairs:  # rare (an inf or NaN value): the exact path on widened values
-                    _steps.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
+                    _products.pack_rows(v, batch_k, hk, k_start + kb + first, end - first,
                                      v_tile[first:], half_kind)
                 _steps.pv_tile_exact(scores, v_tile, acc, alpha, tile_rows, cols, lo_off,
                                      hi_off, None if PLAIN else mods, at)
 
         # -- normalize once, write each output row once
         sink = sinks[h] if has_sinks else -np.inf
-        _steps.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
+        _products.finish_rows(acc, row_max, row_sum, rows, sink, out, lse, batch_q, h,
                            q_start + q0, half_kind)
 
 
