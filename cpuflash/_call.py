@@ -13,6 +13,7 @@ import functools
 import numba
 import numpy as np
 
+from ._quantize import hadamard
 from .kernels import _user
 from .kernels._convert import BFLOAT16, FLOAT16, FLOAT8_E4M3, INT8
 from .kernels._pipeline import Pipeline, kernel_args
@@ -127,6 +128,7 @@ class AttentionCall:
     k_cache: np.ndarray | None = None  # (pages, Hk, page_rows, D), the caller's dtype, written
     v_cache: np.ndarray | None = None
     quantized: str | None = None  # a quantized cache's format ("int8", "float8_e4m3"), or None
+    rotated: bool = False  # its rows turned by the Walsh-Hadamard matrix: the output is turned back
     k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows) float32 scales, written
     v_scale: np.ndarray | None = None
     new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`
@@ -199,6 +201,8 @@ class AttentionCall:
 
     def result(self, return_lse):
         """What the public function returns: ``out``, or ``(out, lse)``."""
+        if self.rotated:  # values read turned: the output back (H is its own inverse)
+            self.out_bhsd[...] = hadamard(self.out_bhsd)
         if self.copy_back is not None:
             np.copyto(self.copy_back, self.out_user)
             out = self.copy_back

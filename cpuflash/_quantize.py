@@ -26,11 +26,35 @@ COMPILED_SIZE = 1 << 14
 class QuantizedKV(NamedTuple):
     """A quantized key or value cache: ``data`` (..., Hk, N, D) int8 or float8_e4m3fn and
     ``scale`` (..., Hk, N) float32, one symmetric scale per (token, head): the row's numbers
-    are ``data * scale``. Made by `cpuflash.quantize_kv`; `cpuflash.attention_with_kvcache`
-    reads and writes it in place."""
+    are ``data * scale``, turned back by the Walsh-Hadamard matrix when `rotated` (`hadamard`).
+    Made by `cpuflash.quantize_kv`; `cpuflash.attention_with_kvcache` reads and writes it in
+    place."""
 
     data: np.ndarray
     scale: np.ndarray
+    rotated: bool = False
+
+
+def hadamard(x):
+    """``x @ H`` along the last axis, ``H`` the orthonormal Walsh-Hadamard matrix of its size (a
+    power of two; Sylvester's +-1 matrix over its square root), in float32 (float64 stays):
+    ``log2(D)`` butterfly passes over a copy, O(D log D) a row. ``H`` is symmetric and its own
+    inverse, so the same call turns rows back.
+
+    A rotation spreads a row's outliers over all of its numbers before one scale is shared by
+    them (llama.cpp turns keys so for its 4-bit caches); dot products are unchanged, since
+    ``(q H) . (k H) = q . k``."""
+    wide = np.float64 if x.dtype == np.float64 else np.float32
+    d = x.shape[-1]
+    rows = np.array(x, dtype=wide).reshape(-1, d)
+    half = 1
+    while half < d:
+        pairs = rows.reshape(rows.shape[0], d // (2 * half), 2, half)
+        first, second = pairs[:, :, 0].copy(), pairs[:, :, 1].copy()
+        pairs[:, :, 0] = first + second
+        pairs[:, :, 1] = first - second
+        half *= 2
+    return (rows * wide(1 / np.sqrt(d))).reshape(x.shape)
 
 
 def format_name(dtype):

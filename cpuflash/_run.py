@@ -318,6 +318,7 @@ def quantized_scales(k_cache, v_cache, cache_seqlens):
     if not (k_quantized or v_quantized):
         return None
     if not (k_quantized and v_quantized and cache_seqlens is not None
+            and not k_cache.rotated and not v_cache.rotated
             and k_cache.scale.__class__ is np.ndarray and v_cache.scale.__class__ is np.ndarray):
         return False
     return k_cache.scale, v_cache.scale

@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from ._call import AttentionCall, _is_bfloat16, compute_dtype, kernel_view
-from ._quantize import QUANT_MAX, QuantizedKV, format_name
+from ._quantize import QUANT_MAX, QuantizedKV, format_name, hadamard
 from .tiling import TileConfig
 
 LAYOUTS = ("bhsd", "bshd")
@@ -470,10 +470,12 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     if in_keys:
         v_cache, v = values_in_keys(k_cache, v_cache, k, v, value_dim)
     quantized = quantized_pair(k_cache, v_cache)
+    rotated = False
     if quantized is None:
         k_cache, v_cache = as_array("k_cache", k_cache), as_array("v_cache", v_cache)
         k_scale = v_scale = None
     else:
+        rotated = bool(k_cache.rotated)
         k_cache, k_scale, v_cache, v_scale, quantized = quantized
     if (k is None) != (v is None):
         _fail(ValueError, "`k` and `v` must be given together (new keys and their values), "
@@ -586,8 +588,14 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
     k_scale, v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
                         for x in (k_scale, v_scale))
+    if rotated:  # the cache holds rows turned by H: q turned too, new rows turned, then written
+        rotatable("k_cache", d)
+        rotatable("v_cache", d_v)
+        q4 = hadamard(q4)
+        if has_new:
+            fields.update(new_k=hadamard(k4), new_v=hadamard(v4))
     return AttentionCall(q=np.asarray(q4, dtype=np.float32), k=kc4, v=vc4, quantized=quantized,
-                         k_scale=k_scale, v_scale=v_scale, **fields)
+                         k_scale=k_scale, v_scale=v_scale, rotated=rotated, **fields)
 
 
 def bits_view(data):
@@ -639,6 +647,9 @@ def values_in_keys(k_cache, v_cache, k, v, value_dim):
         _fail(ValueError, f"`value_dim` must be in 1 .. {data.shape[-1] if data.ndim else 0} "
                           f"(the keys' head dim), got {value_dim}")
     if isinstance(k_cache, QuantizedKV):
+        if k_cache.rotated:
+            _fail(ValueError, "`value_dim` cannot read values from a rotated cache (its "
+                              "columns are mixed by the rotation): quantize it without `rotate`")
         v_cache = QuantizedKV(k_cache.data[..., :value_dim], k_cache.scale)
     else:
         v_cache = data[..., :value_dim]
@@ -663,6 +674,9 @@ def quantized_pair(k_cache, v_cache):
     if k_name != v_name:
         _fail(TypeError, f"`k_cache` and `v_cache` must share one 8-bit format, got "
                          f"{k_data.dtype} and {v_data.dtype}")
+    if bool(k_cache.rotated) != bool(v_cache.rotated):
+        _fail(ValueError, f"`k_cache` and `v_cache` must both be rotated or neither, got "
+                          f"rotated={bool(k_cache.rotated)} and {bool(v_cache.rotated)}")
     return k_data, k_scale, v_data, v_scale, k_name
 
 
@@ -698,7 +712,7 @@ def _quantized_dtypes(q, k, v):
     return q.dtype, np.dtype(np.float32)
 
 
-def quantize_args(x, dtype):
+def quantize_args(x, dtype, rotate=False):
     """Validate `cpuflash.quantize_kv`: (x as an array, format name)."""
     x = as_array("x", x)
     if x.dtype.kind != "f" and not _is_bfloat16(x.dtype):
@@ -708,7 +722,17 @@ def quantize_args(x, dtype):
                           f"{x.shape}")
     if not isinstance(dtype, str) or dtype not in QUANT_MAX:
         _fail(ValueError, f"`dtype` must be one of {tuple(QUANT_MAX)}, got {dtype!r}")
+    flag("rotate", rotate)
+    if rotate:
+        rotatable("x", x.shape[-1])
     return x, dtype
+
+
+def rotatable(name, d):
+    """A rotation's head dim: a power of two (the Walsh-Hadamard matrix's sizes)."""
+    if d < 1 or d & (d - 1):
+        _fail(ValueError, f"a rotated cache needs a head dim that is a power of two (the "
+                          f"Walsh-Hadamard matrix's sizes): `{name}` has {d}")
 
 
 def merge_args(outs, lses):

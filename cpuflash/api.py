@@ -286,7 +286,7 @@ QuantizedKV = _quantize.QuantizedKV
 
 
 @_public.public()
-def quantize_kv(x, dtype="int8"):
+def quantize_kv(x, dtype="int8", *, rotate=False):
     """Quantize keys or values for an 8-bit KV cache: one symmetric scale per row.
 
     Parameters
@@ -296,10 +296,15 @@ def quantize_kv(x, dtype="int8"):
         one head) is quantized on its own.
     dtype : {"int8", "float8_e4m3"}
         The 8-bit format: int8, or ``ml_dtypes.float8_e4m3fn`` (needs ml_dtypes).
+    rotate : bool
+        Turn each row by the orthonormal Walsh-Hadamard matrix ``H`` (D a power of two) before
+        quantizing: it spreads a row's outliers over all of its numbers, so they share one
+        scale with less loss. `attention_with_kvcache` turns q and the output itself (a
+        rotated key cache needs a rotated value cache); `dequantize_kv` turns rows back.
 
     Returns
     -------
-    QuantizedKV(data, scale)
+    QuantizedKV(data, scale, rotated)
         ``data`` (..., Hk, N, D) int8 or float8_e4m3fn, ``x / scale`` rounded to nearest
         (ties to even); ``scale`` (..., Hk, N) float32, the float32 division ``amax / 127``
         (``/ 448`` for float8_e4m3) of the row's largest magnitude. An all-zero row has scale 0
@@ -307,13 +312,16 @@ def quantize_kv(x, dtype="int8"):
         dequantizes to NaN). Pass one for keys and one for values to
         `attention_with_kvcache`.
     """
-    x, name = _validate.quantize_args(x, dtype)
+    x, name = _validate.quantize_args(x, dtype, rotate)
+    if rotate:
+        return QuantizedKV(*_quantize.quantize_rows(_quantize.hadamard(x), name), rotated=True)
     return QuantizedKV(*_quantize.quantize_rows(x, name))
 
 
 @_public.public()
 def dequantize_kv(kq):
-    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row).
+    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row), turned
+    back by the Walsh-Hadamard matrix where the cache is rotated.
 
     Parameters
     ----------
@@ -325,7 +333,8 @@ def dequantize_kv(kq):
     (..., D) float32 array
     """
     data, scale, _ = _validate.quantized_value("kq", kq)
-    return _quantize.dequantize_rows(data, scale)
+    rows = _quantize.dequantize_rows(data, scale)
+    return _quantize.hadamard(rows) if kq.rotated else rows
 
 
 # the gradients: `_backward` holds their argument handling and docstrings

@@ -189,7 +189,7 @@ def test_every_8_bit_pattern_widens_exactly():
 def test_decode_writes_quantized_keys_and_attends(rng, fmt, num_splits):
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, seqlens=[0, 150, 299])
     kc, vc = quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt)
-    before = [x.copy() for x in (*kc, *vc)]
+    before = [x.copy() for x in (kc.data, kc.scale, vc.data, vc.scale)]
     out, lse = cpuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens,
                                                num_splits=num_splits, return_lse=True)
     new_k, new_v = quantize_kv(k, fmt), quantize_kv(v, fmt)
@@ -320,7 +320,7 @@ def test_errors_leave_the_caches_unchanged(rng):
     kc, vc = quantize_kv(k_cache), quantize_kv(v_cache)
     data_dtype("float8_e4m3")
     kf = quantize_kv(k_cache, "float8_e4m3")
-    before = [x.copy() for x in (*kc, *vc)]
+    before = [x.copy() for x in (kc.data, kc.scale, vc.data, vc.scale)]
     call = cpuflash.attention_with_kvcache
     with pytest.raises(TypeError, match="`k_cache` and `v_cache` must both be QuantizedKV .* "
                                         "got `k_cache` a QuantizedKV and `v_cache` a ndarray"):
@@ -352,7 +352,7 @@ def test_errors_leave_the_caches_unchanged(rng):
         call(q, readonly, vc, k=k, v=v, cache_seqlens=seqlens)
     with pytest.raises(ValueError, match="`k_cache` must be 4-D"):
         call(q, QuantizedKV(kc.data[0], kc.scale[0]), vc, cache_seqlens=seqlens)
-    for now, then in zip((*kc, *vc), before):
+    for now, then in zip((kc.data, kc.scale, vc.data, vc.scale), before):
         np.testing.assert_array_equal(now, then)
 
 
@@ -379,7 +379,7 @@ def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng, fmt, layout
         result = cpuflash.attention_with_kvcache(swap(q), kc, vc, k=swap(k), v=swap(v),
                                                  cache_seqlens=seqlens, layout=layout,
                                                  return_lse=True)
-        results.append((result, [x.copy() for x in (*kc, *vc)]))
+        results.append((result, [x.copy() for x in (kc.data, kc.scale, vc.data, vc.scale)]))
     assert _plans._entries  # the plan was stored and found
     for (result, written_caches) in results[1:]:
         assert_same_bits(result, results[0][0], "the plan's call")
@@ -390,7 +390,9 @@ def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng, fmt, layout
         cpuflash.attention_with_kvcache(swap(q), kc, vc, k=swap(k), v=swap(v),
                                         cache_seqlens=seqlens + 300, layout=layout)
     untouched = caches()
-    for now, then in zip((*kc, *vc), (*untouched[0], *untouched[1])):
+    fresh_k, fresh_v = untouched
+    for now, then in zip((kc.data, kc.scale, vc.data, vc.scale),
+                         (fresh_k.data, fresh_k.scale, fresh_v.data, fresh_v.scale)):
         assert np.array_equal(now.view(np.uint8), then.view(np.uint8))
 
 
