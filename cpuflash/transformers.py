@@ -180,7 +180,8 @@ def _quantized_attention(query, layer, sinks, keywords):
         keywords["sinks"] = _numpy(sinks)
     keywords.setdefault("causal", False)
     q = _numpy(query).swapaxes(1, 2)  # bshd views: the output comes out as the model wants it
-    k_cache, v_cache = (api.QuantizedKV(c.data.swapaxes(1, 2), c.scale.swapaxes(1, 2))
+    k_cache, v_cache = (api.QuantizedKV(c.data.swapaxes(1, 2), c.scale.swapaxes(1, 2),
+                                        rotated=layer.rotate)
                         for c in (layer.k_cache, layer.v_cache))
     out = api.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=layer.length,
                                      layout="bshd", **keywords)
@@ -410,9 +411,9 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, dtype="int8", **kwargs):
+    def __init__(self, dtype="int8", rotate=False, **kwargs):
         super().__init__(**kwargs)
-        self.format = dtype
+        self.format, self.rotate = dtype, rotate
         self.length = 0
         self.k_cache = self.v_cache = None
 
@@ -427,7 +428,7 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         self._make_room(key_states.shape, value_states.shape[-1], self.length + n_new)
         end = self.length + n_new
         for cache, new in ((self.k_cache, key_states), (self.v_cache, value_states)):
-            rows = api.quantize_kv(_numpy(new.detach()), self.format)
+            rows = api.quantize_kv(_numpy(new.detach()), self.format, rotate=self.rotate)
             cache.data[:, :, self.length:end] = rows.data
             cache.scale[:, :, self.length:end] = rows.scale
         self.length = end
@@ -462,8 +463,8 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         """The cached keys and values as float tensors of `dtype` (the paths that need them:
         padding masks, gradients)."""
         return tuple(torch.from_numpy(api.dequantize_kv(api.QuantizedKV(
-            c.data[:, :, :self.length], c.scale[:, :, :self.length]))).to(dtype)
-            for c in (self.k_cache, self.v_cache))
+            c.data[:, :, :self.length], c.scale[:, :, :self.length], rotated=self.rotate)))
+            .to(dtype) for c in (self.k_cache, self.v_cache))
 
     def get_seq_length(self):
         return self.length
@@ -511,13 +512,18 @@ class QuantizedKVCache(transformers.cache_utils.Cache):
         The model's config (its number of layers).
     dtype : {"int8", "float8_e4m3"}
         The 8-bit format.
+    rotate : bool
+        Turn each key and value row by the Walsh-Hadamard matrix before quantizing
+        (`cpuflash.quantize_kv`'s `rotate`; the head dims must be powers of two).
     """
 
-    def __init__(self, config, dtype="int8"):
+    def __init__(self, config, dtype="int8", rotate=False):
         if dtype not in ("int8", "float8_e4m3"):
             raise ValueError(f"`dtype` must be 'int8' or 'float8_e4m3', got {dtype!r}")
+        if not isinstance(rotate, bool):
+            raise TypeError(f"`rotate` must be True or False, got {rotate!r}")
         config = config.get_text_config(decoder=True)
-        super().__init__(layers=[_QuantizedLayer(dtype) for _ in
+        super().__init__(layers=[_QuantizedLayer(dtype, rotate) for _ in
                                  range(config.num_hidden_layers)])
 
     @property

@@ -648,15 +648,15 @@ class DequantizedLayer(transformers.cache_utils.DynamicLayer):
     """A float cache layer holding what a QuantizedKVCache layer holds: each new key and value
     row quantized and dequantized again (the oracle of the quantized cache)."""
 
-    def __init__(self, fmt):
+    def __init__(self, fmt, rotate=False):
         super().__init__()
-        self.fmt = fmt
+        self.fmt, self.rotate = fmt, rotate
 
     def update(self, key_states, value_states, *args, **kwargs):
         import cpuflash
 
         key_states, value_states = (torch.from_numpy(cpuflash.dequantize_kv(
-            cpuflash.quantize_kv(x.float().numpy(), self.fmt))).to(x.dtype)
+            cpuflash.quantize_kv(x.float().numpy(), self.fmt, rotate=self.rotate))).to(x.dtype)
             for x in (key_states, value_states))
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -670,15 +670,16 @@ def cache_keyword(model):
         else "past_key_values"
 
 
-def dequantized_cache(model, fmt):
+def dequantized_cache(model, fmt, rotate=False):
     layers = model.config.num_hidden_layers
-    return transformers.cache_utils.Cache(layers=[DequantizedLayer(fmt) for _ in range(layers)])
+    return transformers.cache_utils.Cache(layers=[DequantizedLayer(fmt, rotate)
+                                                  for _ in range(layers)])
 
 
 @needs_mask_registry
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3"])
+@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True)])
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])  # gpt-oss: sinks and a window too
-def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, monkeypatch):
+def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, rotate, monkeypatch):
     """Generation on a QuantizedKVCache (every attention call reading the 8-bit cache in place)
     against the same model on a float cache holding the dequantized rows."""
     model = small_model(kind)
@@ -688,9 +689,9 @@ def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, monkeypatch)
                   output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
         key = cache_keyword(model)
-        expected = model.generate(**{key: dequantized_cache(model, fmt)}, **kwargs)
+        expected = model.generate(**{key: dequantized_cache(model, fmt, rotate)}, **kwargs)
         spy = Spy(monkeypatch)
-        cache = cft.QuantizedKVCache(model.config, fmt)
+        cache = cft.QuantizedKVCache(model.config, fmt, rotate=rotate)
         got = model.generate(**{key: cache}, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
@@ -729,8 +730,8 @@ def test_quantized_cache_refuses_other_formats_and_fails_loudly_elsewhere():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3"])
-def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_thread, fmt):
+@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True)])
+def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_thread, fmt, rotate):
     """Teacher forcing over 200 positions of text: each position's next-token choice with the
     8-bit cache (one call: the prompt's keys are quantized as they are written, then attended
     to) against the float cache's; and the bytes the cache holds."""
@@ -741,7 +742,7 @@ def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_threa
     assert ids.shape[1] == 200
     with torch.inference_mode():
         expected = model(input_ids=ids).logits.argmax(-1)
-        cache = cft.QuantizedKVCache(model.config, fmt)
+        cache = cft.QuantizedKVCache(model.config, fmt, rotate=rotate)
         got = model(input_ids=ids, **{cache_keyword(model): cache}).logits.argmax(-1)
     agreement = (got == expected).float().mean().item()
     assert agreement >= 0.97, agreement
