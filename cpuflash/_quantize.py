@@ -50,11 +50,13 @@ def hadamard(x):
     half = 1
     while half < d:
         pairs = rows.reshape(rows.shape[0], d // (2 * half), 2, half)
-        first, second = pairs[:, :, 0].copy(), pairs[:, :, 1].copy()
-        pairs[:, :, 0] = first + second
-        pairs[:, :, 1] = first - second
+        first, second = pairs[:, :, 0], pairs[:, :, 1]
+        difference = first - second
+        first += second
+        second[...] = difference
         half *= 2
-    return (rows * wide(1 / np.sqrt(d))).reshape(x.shape)
+    rows *= wide(1 / np.sqrt(d))
+    return rows.reshape(x.shape)
 
 
 def format_name(dtype):
