@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .kernels.quantize import int8_rows
+from .kernels.quantize import hadamard_rows, int8_rows
 
 # the largest magnitude each 8-bit format holds, by the names `quantize_kv` takes
 QUANT_MAX = {"int8": 127.0, "float8_e4m3": 448.0}
@@ -47,6 +47,9 @@ def hadamard(x):
     wide = np.float64 if x.dtype == np.float64 else np.float32
     d = x.shape[-1]
     rows = np.array(x, dtype=wide).reshape(-1, d)
+    if rows.size <= COMPILED_SIZE:  # a decoding step's few rows: one compiled pass a row
+        hadamard_rows.specialize(np.dtype(wide))(rows, wide(1 / np.sqrt(d)))
+        return rows.reshape(x.shape)
     half = 1
     while half < d:
         pairs = rows.reshape(rows.shape[0], d // (2 * half), 2, half)

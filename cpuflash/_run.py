@@ -283,6 +283,7 @@ class Decode:
         self.n_new = 0 if call.new_k is None else call.new_k.shape[2]  # keys written in
         self.plan_threads = plan_threads  # 0: numba's thread count at the call
         self.quantized = call.quantized  # a quantized cache's format, or None
+        self.rotated = call.rotated  # its rows turned (`_quantize.hadamard`)
         if self.block_table is None:  # `attention`: one page of all keys per batch entry
             self.block_table = np.arange(call.batch, dtype=np.int64)[:, None]
             self.page_rows = n_max
@@ -318,7 +319,7 @@ def quantized_scales(k_cache, v_cache, cache_seqlens):
     if not (k_quantized or v_quantized):
         return None
     if not (k_quantized and v_quantized and cache_seqlens is not None
-            and not k_cache.rotated and not v_cache.rotated
+            and k_cache.rotated == v_cache.rotated
             and k_cache.scale.__class__ is np.ndarray and v_cache.scale.__class__ is np.ndarray):
         return False
     return k_cache.scale, v_cache.scale
@@ -420,9 +421,13 @@ def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=No
                                         setup.head_dim_v), dtype=setup.dtype)
     if scales is not None and setup.layout == "bshd":
         scales = tuple(x.swapaxes(1, 2) for x in scales)
+    if setup.rotated:  # as `_validate.kvcache_args` turns them
+        q = _quantize.hadamard(q)
     if new_k is not None:  # every check has passed: into each entry's rows after its length
         if setup.layout == "bshd":
             new_k, new_v = new_k.swapaxes(1, 2), new_v.swapaxes(1, 2)
+        if setup.rotated:
+            new_k, new_v = _quantize.hadamard(new_k), _quantize.hadamard(new_v)
         if scales is not None:  # quantized first, as the full path writes them
             (new_k, k_scale), (new_v, v_scale) = (_quantize.quantize_rows(x, setup.quantized)
                                                   for x in (new_k, new_v))
@@ -439,6 +444,8 @@ def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=No
         q, k, v = q.view(np.uint16), k.view(np.uint16), v.view(np.uint16)
     lse = np.empty((setup.batch, setup.n_heads, setup.n_q), dtype=setup.compute_dtype)
     decode(setup, q, k, v, n_keys, n_k, out_bhsd, lse, setup.sinks, page_rows, scales)
+    if setup.rotated:  # (`AttentionCall.result`'s turn back)
+        out_bhsd[...] = _quantize.hadamard(out_bhsd)
     return (out_user, lse) if return_lse else out_user
 
 

@@ -231,7 +231,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         else:  # a quantized cache: its scales' shapes and dtypes join the key
             k_data, v_data = k_cache.data, v_cache.data
             kind = ("kvcache", scales[0].shape, scales[0].dtype, scales[1].shape,
-                    scales[1].dtype)
+                    scales[1].dtype, bool(k_cache.rotated))
         if k is not None:
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
         key = _run.plan_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,

@@ -106,3 +106,51 @@ def test_errors(rng):
     odd = cpuflash.QuantizedKV(turned.data[..., :48], turned.scale, rotated=True)
     with pytest.raises(ValueError, match="power of two"):
         cpuflash.attention_with_kvcache(q[..., :48], odd, odd)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_repeated_call_takes_the_plan_with_the_same_bits(rng, monkeypatch, layout):
+    """Decoding steps on a rotated cache: the second call with the same key goes through the
+    stored plan (`_run.decode_again`), turning q, the new rows and the output as the full path
+    does, bit for bit."""
+    from cpuflash import _run
+
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=8, hk=2, n_max=100, d=64,
+                                                     d_v=64, seqlens=[40, 70])
+    swap = (lambda x: x.swapaxes(1, 2)) if layout == "bshd" else (lambda x: x)
+    kq, vq = (cpuflash.quantize_kv(c, rotate=True) for c in (k_cache, v_cache))
+
+    def caches():
+        return [cpuflash.QuantizedKV(swap(c.data.copy()), swap(c.scale[..., None].copy())[..., 0],
+                                     rotated=True) for c in (kq, vq)]
+
+    seen = []
+    real = _run.decode_again
+    monkeypatch.setattr(_run, "decode_again", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    results = []
+    for _ in range(2):
+        cache = caches()
+        out, lse = cpuflash.attention_with_kvcache(swap(q), *cache, k=swap(k), v=swap(v),
+                                                   cache_seqlens=seqlens, layout=layout,
+                                                   return_lse=True)
+        results.append((out, lse, cache[0].data, cache[0].scale, cache[1].data, cache[1].scale))
+    assert seen, "the second call did not take the plan"
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+    first = results[0]
+    kd, vd = (cpuflash.dequantize_kv(cpuflash.QuantizedKV(
+        swap(data), swap(scale[..., None])[..., 0], rotated=True))
+        for data, scale in ((first[2], first[3]), (first[4], first[5])))
+    check_kvcache(swap(results[0][0]), None, q, kd, vd, seqlens + 1, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_compiled_turn_gives_numpy_passes_bits(rng, monkeypatch, dtype):
+    """Few rows go through one compiled pass a row (`kernels.quantize.hadamard_rows`), many
+    through numpy's passes: the same sums in the same order."""
+    from cpuflash import _quantize
+
+    x = rng.standard_normal((7, 128)).astype(dtype)
+    compiled = hadamard(x)
+    monkeypatch.setattr(_quantize, "COMPILED_SIZE", 0)
+    np.testing.assert_array_equal(compiled, hadamard(x))

@@ -8,7 +8,7 @@ each row is one pass. The rule is
 """
 
 import numpy as np
-from numba import types
+from numba import from_dtype as numba_from, types
 
 from .._jit import Kernel, array
 
@@ -40,3 +40,31 @@ def _signature(_):
 # (docs/history.md, "Compile time"), and the one line a process gets belongs to the decoding
 # kernel that a new token's quantization comes before.
 int8_rows = Kernel(_int8_rows, _signature, None, parallel=False, fastmath=False)
+
+
+def _hadamard_rows(rows, factor):
+    """Each row of `rows` (a power of two long) turned in place by the Walsh-Hadamard
+    butterflies, then times `factor` (1 / sqrt(D)): `_quantize.hadamard`'s passes, in the
+    same order and precision, one row at a time."""
+    d = rows.shape[1]
+    for i in range(rows.shape[0]):
+        half = 1
+        while half < d:
+            for start in range(0, d, 2 * half):
+                for j in range(start, start + half):
+                    first, second = rows[i, j], rows[i, j + half]
+                    rows[i, j] = first + second
+                    rows[i, j + half] = first - second
+            half *= 2
+        for j in range(d):
+            rows[i, j] *= factor
+
+
+def _hadamard_signature(dtype):
+    return types.void(array(dtype, 2), numba_from(dtype))
+
+
+# A decoding step turns q and the output of a rotated cache: a few short rows, where numpy's
+# passes cost tens of microseconds. No fastmath (the sums are `hadamard`'s, bit for bit).
+hadamard_rows = Kernel(_hadamard_rows, _hadamard_signature, None, parallel=False,
+                       fastmath=False)
