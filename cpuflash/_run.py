@@ -143,17 +143,17 @@ def forward_folded(call, seqs, k, v):
     folded = dataclasses.replace(
         call, q=q, n_heads=call.n_kv_heads, n_q=group, n_k=int(n_k.max()), causal=False,
         window=(-1, -1), chunk=0, out_bhsd=out,
-        tiles=_folded_tiles(call, group, _threads.thread_count()))
+        tiles=folded_tiles(call, call.batch * call.n_kv_heads, group, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
 
 
-def _folded_tiles(call, group, n_threads):
-    """The tiles of a folded call: every tile of rows sees the same keys, so the rows of a kv
-    head are dealt in as few tiles as keep the threads busy (`split_for_threads` aims at two a
-    thread, for calls whose tiles differ in cost), each read of a key block serving the most
-    rows the cache model allows."""
+def folded_tiles(call, n_groups, group, n_threads):
+    """The tiles of a call whose `n_groups` groups of `group` rows each see the same keys (a
+    folded decoding step, `_sparse`'s gathered rows): a group's rows are dealt in as few tiles
+    as keep the threads busy (`split_for_threads` aims at two a thread, for calls whose tiles
+    differ in cost), each read of a key block serving the most rows the cache model allows."""
     tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
-    per_head = -(-n_threads // (call.batch * call.n_kv_heads))  # tiles of a kv head's rows
+    per_head = -(-n_threads // n_groups)  # tiles of a group's rows
     block_q = tiling.round_rows(-(-group // per_head))
     return tiling.TileConfig(min(block_q, tiles.block_q), tiles.block_k)
 

@@ -18,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _call, _kvcache, _run, _run_backward, _threads, _validate_gradients, tiling
-from .kernels._band import SEQ_BATCH_K, SEQ_BATCH_Q, SEQ_N_K, SEQ_N_Q
+from . import _call, _kvcache, _run, _run_backward, _schedule, _threads, _validate_gradients
+from .kernels._band import SEQ_N_K
 
 GATHER_BYTES = 64 * 2 ** 20  # the gathered keys and values of one block of rows, at most
 
@@ -90,10 +90,7 @@ class _Gathered:
         if k_rows.dtype != q_rows.dtype:  # an 8-bit cache, read as float32: q too
             q_rows = q_rows.view(call.dtype).astype(np.float32)
         self.q, self.k, self.v = (x[:, None] for x in (q_rows, k_rows, v_rows))
-        n = len(b)
-        self.seqs = np.zeros((n, 6), dtype=np.int64)
-        self.seqs[:, SEQ_BATCH_Q] = self.seqs[:, SEQ_BATCH_K] = np.arange(n)
-        self.seqs[:, SEQ_N_Q] = group
+        self.seqs = _schedule.sequence_table(group, 0, len(b))  # one sequence a row
         self.seqs[:, SEQ_N_K] = counts.reshape(-1)[rows]
 
 
@@ -101,17 +98,14 @@ def _gathered_call(call, gathered, out, lse, kernel_dtype):
     """The call that runs over `gathered`: one head of `group` rows a sequence, no rule, in
     as few tiles of rows as keep the threads busy (every tile of a sequence sees its keys)."""
     group = call.n_heads // call.n_kv_heads
-    tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
     n = gathered.q.shape[0]
-    per_sequence = -(-_threads.thread_count() // n)
-    block_q = tiling.round_rows(-(-group // per_sequence))
     return dataclasses.replace(
         call, q=gathered.q, k=gathered.k, v=gathered.v, dtype=kernel_dtype, batch=n, n_heads=1,
         n_kv_heads=1, n_q=group, n_k=gathered.k.shape[2], causal=False, window=(-1, -1),
         chunk=0, alibi=np.zeros((n, 0), call.alibi.dtype), sinks=None, bias=None, bias_map=None,
         mask=None, mask_map=None, out_user=out, out_bhsd=out, copy_back=None,
         lse_shape=lse.shape,
-        tiles=tiling.TileConfig(min(block_q, tiles.block_q), tiles.block_k),
+        tiles=_run.folded_tiles(call, n, group, _threads.thread_count()),
         k_cache=None, v_cache=None, quantized=None, k_scale=None, v_scale=None, new_k=None,
         new_v=None, block_table=None, seqlens=None, n_keys=None)
 
