@@ -21,10 +21,11 @@ from .tiling import TileConfig
 
 # How the kernels read an input (`half_kind`): natively, or as the uint16 bits of float16 or
 # bfloat16, or (a quantized cache) as int8 or the uint8 bits of float8_e4m3fn, whose codes the
-# kernels define.
+# kernels define. An int4 cache's kernel turns its rows into float32 ones as it reads them
+# (`kernels.decode.INT4`), which it then reads natively.
 NATIVE = 0
 assert NATIVE not in (FLOAT16, BFLOAT16), "NATIVE must differ from the kernels' half kinds"
-QUANT_KINDS = {"int8": INT8, "float8_e4m3": FLOAT8_E4M3}
+QUANT_KINDS = {"int8": INT8, "float8_e4m3": FLOAT8_E4M3, "int4": NATIVE}
 
 
 def _is_bfloat16(dtype):
@@ -127,9 +128,9 @@ class AttentionCall:
     # -- KV cache (`kvcache_args`); where each position lives: see `_kvcache`
     k_cache: np.ndarray | None = None  # (pages, Hk, page_rows, D), the caller's dtype, written
     v_cache: np.ndarray | None = None
-    quantized: str | None = None  # a quantized cache's format ("int8", "float8_e4m3"), or None
+    quantized: str | None = None  # a quantized cache's format (`_quantize.QUANT_MAX`), or None
     rotated: bool = False  # its rows turned by the Walsh-Hadamard matrix: the output is turned back
-    k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows) float32 scales, written
+    k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows[, groups]) scales, written
     v_scale: np.ndarray | None = None
     new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`
     new_v: np.ndarray | None = None

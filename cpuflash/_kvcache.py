@@ -35,21 +35,26 @@ def _write(call):
     # (no new values where they are the keys' first columns: the keys' rows hold them)
     new_k, new_v = call.new_k, call.new_v
     k_scale = v_scale = None
-    if call.quantized is not None:  # written as the cache holds them: 8-bit rows and scales
-        new_k, k_scale = quantize_rows(new_k, call.quantized)
+    if call.quantized is not None:  # written as the cache holds them: rows and scales
+        new_k, k_scale = quantize_rows(new_k, call.quantized, groups(call.k_scale))
         if new_v is not None:
-            new_v, v_scale = quantize_rows(new_v, call.quantized)
+            new_v, v_scale = quantize_rows(new_v, call.quantized, groups(call.v_scale))
     n_new = new_k.shape[2]
     for b in range(call.batch):
         pages, rows = slots(call, b, call.seqlens[b] + np.arange(n_new))
         # (new, heads, dim) <- (heads, new, dim)
         call.k_cache[pages, :, rows, :] = np.swapaxes(new_k[b], 0, 1)
         if k_scale is not None:
-            call.k_scale[pages, :, rows] = k_scale[b].T
+            call.k_scale[pages, :, rows] = np.swapaxes(k_scale[b], 0, 1)
         if new_v is not None:
             call.v_cache[pages, :, rows, :] = np.swapaxes(new_v[b], 0, 1)
             if v_scale is not None:
-                call.v_scale[pages, :, rows] = v_scale[b].T
+                call.v_scale[pages, :, rows] = np.swapaxes(v_scale[b], 0, 1)
+
+
+def groups(scale):
+    """Scales a row of a quantized cache's scales (pages, Hk, page_rows[, groups])."""
+    return scale.shape[3] if scale.ndim == 4 else 1
 
 
 def gather_pages(call):

@@ -14,7 +14,7 @@ from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads,
 from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
-from .kernels.decode import decode as decode_kernel, decode_plain
+from .kernels.decode import decode as decode_kernel, decode_int4, decode_plain
 from .kernels.forward import fa2_forward, fa2_forward_plain
 
 
@@ -272,7 +272,10 @@ class Decode:
         # a tuple into the call would cost a short call more than these three reads
         self.flat, self.score_args, self.mask_args = call.kernel_pipeline()
         self.user_types = call.kernel_key()[2]
-        self.kernel = decode_plain if call.plain() else decode_kernel  # (`kernels.decode.PLAIN`)
+        if call.quantized == "int4":
+            self.kernel = decode_int4
+        else:  # (`kernels.decode.PLAIN`)
+            self.kernel = decode_plain if call.plain() else decode_kernel
         # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a
         # microsecond of a short call)
         self.compiled = None
@@ -429,8 +432,9 @@ def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=No
         if setup.rotated:
             new_k, new_v = _quantize.hadamard(new_k), _quantize.hadamard(new_v)
         if scales is not None:  # quantized first, as the full path writes them
-            (new_k, k_scale), (new_v, v_scale) = (_quantize.quantize_rows(x, setup.quantized)
-                                                  for x in (new_k, new_v))
+            (new_k, k_scale), (new_v, v_scale) = (
+                _quantize.quantize_rows(x, setup.quantized, _kvcache.groups(scale))
+                for x, scale in zip((new_k, new_v), scales))
         for b, start in enumerate(starts):
             k[b, :, start:start + setup.n_new] = new_k[b]
             v[b, :, start:start + setup.n_new] = new_v[b]

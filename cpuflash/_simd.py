@@ -346,6 +346,30 @@ vload_e4m3 = _widening_load("float8_e4m3fn", _widen_e4m3, bits=8,
                             note=" Each number comes 2^8 times smaller (`E4M3_UNIT`).")
 
 
+@intrinsic
+def vload_i4(typingctx, arr, i):
+    """Load ``lanes / 2`` bytes of `arr` (uint8) from element `i` as the float32 vector of their
+    ``lanes`` signed 4-bit numbers (int4 caches, `cpuflash.quantize_kv`): byte m's low nibble
+    is lane 2m, its high nibble lane 2m + 1, each two's complement, exactly."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
+        raise errors.TypingError("`arr` must be a uint8 array (int4 pairs), got %s" % arr)
+    _check_index(i)
+    vec = _VEC[types.float32]
+    half = vec.lanes // 2
+
+    def codegen(context, builder, sig, args):
+        i8s = ir.VectorType(ir.IntType(8), half)
+        bytes_ = builder.load(_element_ptr(context, builder, sig, args, i8s), align=1)
+        four = _const(i8s, 4)
+        low = builder.ashr(builder.shl(bytes_, four), four)  # sign-extended from bit 3
+        high = builder.ashr(bytes_, four)
+        lanes = builder.shuffle_vector(low, high, _lane_mask(
+            [k // 2 + (half if k % 2 else 0) for k in range(vec.lanes)]))
+        return builder.sitofp(lanes, _vec_ll(vec))
+
+    return vec(arr, i), codegen
+
+
 def _half_store(name, narrow_bits):
     """An intrinsic storing a float32 vector as `lanes` uint16 elements of a half format."""
 

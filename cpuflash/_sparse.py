@@ -18,7 +18,8 @@ import dataclasses
 
 import numpy as np
 
-from . import _call, _kvcache, _run, _run_backward, _schedule, _threads, _validate_gradients
+from . import (_call, _kvcache, _quantize, _run, _run_backward, _schedule, _threads,
+               _validate_gradients)
 from .kernels._band import SEQ_N_K
 
 GATHER_BYTES = 64 * 2 ** 20  # the gathered keys and values of one block of rows, at most
@@ -46,12 +47,12 @@ def listed_keys(call, key_indices, n_keys):
 
 def _gather(cache, scale, block_table, page_rows, b, hk, positions):
     """Rows `positions` (S, topk) of kv head `hk` (S,) of batch entries `b` (S,) of a cache of
-    pages, as float rows where the cache is 8-bit (times its scales)."""
+    pages, as float32 rows where the cache is quantized (`_quantize.dequantize_rows`)."""
     pages = block_table[b[:, None], positions // page_rows]
     rows = positions % page_rows
     gathered = cache[pages, hk[:, None], rows]  # (S, topk, D)
     if scale is not None:
-        gathered = gathered.astype(np.float32) * scale[pages, hk[:, None], rows][..., None]
+        return _quantize.dequantize_rows(gathered, scale[pages, hk[:, None], rows])
     return gathered
 
 
@@ -83,7 +84,7 @@ class _Gathered:
         listed = keys.reshape(-1, keys.shape[-1])[rows]
         k_rows = _gather(k, scales[0], block_table, page_rows, b, hk, listed)
         if _inside(k, v) and scales[0] is scales[1]:  # values inside the keys: gathered with them
-            v_rows = k_rows[..., :v.shape[-1]]
+            v_rows = k_rows[..., :call.head_dim_v]
         else:
             v_rows = _gather(v, scales[1], block_table, page_rows, b, hk, listed)
         q_rows = call.q[b[:, None], heads, i[:, None]]  # (S, group, D), as the kernels read q
@@ -146,7 +147,9 @@ def kvcache(call, key_indices):
     """`cpuflash.attention_with_kvcache` with `key_indices` (checked): the new keys written,
     then each entry's first ``n_keys[b]`` cache positions listable."""
     k, v = _kvcache.write_new_keys(call)
-    scales = (call.k_scale, call.v_scale) if call.quantized is not None else (None, None)
+    scales = (None, None)
+    if call.quantized is not None:  # gathered as the caller's dtypes (float8 is no uint8)
+        k, v, scales = call.k_cache, call.v_cache, (call.k_scale, call.v_scale)
     forward(call, k, v, key_indices, call.n_keys, call.block_table, call.page_rows, scales)
 
 

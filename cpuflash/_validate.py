@@ -14,6 +14,7 @@ import math
 import numbers
 import sys
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -501,8 +502,8 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     # everything to (batch or page, heads, rows, dim)
     q4, kc4, vc4 = (np.swapaxes(x, 1, 2) if layout == "bshd" else x for x in (q, k_cache, v_cache))
     batch = q4.shape[0]
-    n_heads, n_kv_heads, n_q, page_rows, d, d_v = head_dims(q4, kc4, vc4,
-                                                            names=("q", "k_cache", "v_cache"))
+    n_heads, n_kv_heads, n_q, page_rows, d, d_v = head_dims(
+        q4, *(_numbers(x, quantized) for x in (kc4, vc4)), names=("q", "k_cache", "v_cache"))
     k4 = v4 = None
     n_new = 0
     if has_new:
@@ -598,6 +599,18 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
                          k_scale=k_scale, v_scale=v_scale, rotated=rotated, **fields)
 
 
+class _Shape(NamedTuple):
+    shape: tuple
+
+
+def _numbers(data, quantized):
+    """What `head_dims` reads of a cache of format `quantized`: its shape, in numbers (two a
+    byte for int4)."""
+    if quantized != "int4":
+        return data
+    return _Shape(data.shape[:-1] + (2 * data.shape[-1],))
+
+
 def bits_view(data):
     """An 8-bit cache as the kernels read it: int8 as it is, float8_e4m3fn as its uint8 bits
     (Numba has no float8)."""
@@ -633,7 +646,8 @@ def key_indices_value(key_indices, call, n_keys, others):
 
 def values_in_keys(k_cache, v_cache, k, v, value_dim):
     """(v_cache, v) for values that are the first `value_dim` columns of the keys (DeepSeek
-    MLA's latent cache): views of `k_cache` and `k`, an 8-bit cache's with the keys' scales."""
+    MLA's latent cache): views of `k_cache` and `k`, a quantized cache's with the keys' scales
+    (an int4 cache's first groups)."""
     if v_cache is not None:
         _fail(ValueError, "`value_dim` reads the values from the keys' first columns: "
                           "`v_cache` must be None, got a cache")
@@ -642,15 +656,26 @@ def values_in_keys(k_cache, v_cache, k, v, value_dim):
                           "None, got an array")
     if isinstance(value_dim, bool) or not isinstance(value_dim, numbers.Integral):
         _fail(TypeError, f"`value_dim` must be an int, got {type(value_dim).__name__}")
-    data = k_cache.data if isinstance(k_cache, QuantizedKV) else as_array("k_cache", k_cache)
-    if data.ndim < 1 or not 0 < value_dim <= data.shape[-1]:
-        _fail(ValueError, f"`value_dim` must be in 1 .. {data.shape[-1] if data.ndim else 0} "
-                          f"(the keys' head dim), got {value_dim}")
-    if isinstance(k_cache, QuantizedKV):
-        if k_cache.rotated:
-            _fail(ValueError, "`value_dim` cannot read values from a rotated cache (its "
-                              "columns are mixed by the rotation): quantize it without `rotate`")
-        v_cache = QuantizedKV(k_cache.data[..., :value_dim], k_cache.scale)
+    quantized = isinstance(k_cache, QuantizedKV)
+    if quantized:
+        data, scale, name = quantized_value("k_cache", k_cache)
+    else:
+        data, name = as_array("k_cache", k_cache), None
+    width = (2 if name == "int4" else 1) * data.shape[-1] if data.ndim else 0
+    if not 0 < value_dim <= width:
+        _fail(ValueError, f"`value_dim` must be in 1 .. {width} (the keys' head dim), got "
+                          f"{value_dim}")
+    if quantized and k_cache.rotated:
+        _fail(ValueError, "`value_dim` cannot read values from a rotated cache (its columns "
+                          "are mixed by the rotation): quantize it without `rotate`")
+    if name == "int4":  # whole groups of the keys' numbers, two a byte
+        group = width // scale.shape[-1]
+        if value_dim % group:
+            _fail(ValueError, f"`value_dim` must be a multiple of the int4 cache's group size "
+                              f"{group}, got {value_dim}")
+        v_cache = QuantizedKV(data[..., :value_dim // 2], scale[..., :value_dim // group])
+    elif quantized:
+        v_cache = QuantizedKV(data[..., :value_dim], scale)
     else:
         v_cache = data[..., :value_dim]
     return v_cache, None if k is None else as_array("k", k)[..., :value_dim]
@@ -687,12 +712,20 @@ def quantized_value(name, kq):
         _fail(TypeError, f"`{name}` must be a cpuflash.QuantizedKV (from "
                          f"cpuflash.quantize_kv), got {type(kq).__name__}")
     data, scale = as_array(f"{name}.data", kq.data), as_array(f"{name}.scale", kq.scale)
-    format_ = format_name(data.dtype)
+    format_ = format_name(data.dtype, scale.ndim, data.ndim)
     if format_ is None:
-        _fail(TypeError, f"`{name}.data` must be int8 or float8_e4m3fn, got {data.dtype}")
+        _fail(TypeError, f"`{name}.data` must be int8 or float8_e4m3fn (a scale per row), or "
+                         f"uint8 (int4: a scale per group, one more axis), got {data.dtype} "
+                         f"with a {scale.ndim}-D scale")
     if scale.dtype != np.float32:
         _fail(TypeError, f"`{name}.scale` must be float32, got {scale.dtype}")
-    if data.ndim < 1 or scale.shape != data.shape[:-1]:
+    if format_ == "int4":
+        if data.ndim < 1 or scale.shape[:-1] != data.shape[:-1] or scale.shape[-1] < 1 \
+                or (2 * data.shape[-1]) % scale.shape[-1]:
+            _fail(ValueError, f"`{name}.scale` of an int4 cache must be (..., D // group_size) "
+                              f"with `{name}.data` (..., D // 2) = {data.shape}, a whole "
+                              f"number of groups a row, got {scale.shape}")
+    elif data.ndim < 1 or scale.shape != data.shape[:-1]:
         _fail(ValueError, f"`{name}.scale` must have the shape of `{name}.data` without its "
                           f"last axis, {data.shape[:-1]}, got {scale.shape}")
     return data, scale, format_
@@ -712,8 +745,8 @@ def _quantized_dtypes(q, k, v):
     return q.dtype, np.dtype(np.float32)
 
 
-def quantize_args(x, dtype, rotate=False):
-    """Validate `cpuflash.quantize_kv`: (x as an array, format name)."""
+def quantize_args(x, dtype, rotate=False, group_size=32):
+    """Validate `cpuflash.quantize_kv`: (x as an array, format name, scales a row)."""
     x = as_array("x", x)
     if x.dtype.kind != "f" and not _is_bfloat16(x.dtype):
         _fail(TypeError, f"`x` must be a float array, got dtype {x.dtype}")
@@ -723,9 +756,20 @@ def quantize_args(x, dtype, rotate=False):
     if not isinstance(dtype, str) or dtype not in QUANT_MAX:
         _fail(ValueError, f"`dtype` must be one of {tuple(QUANT_MAX)}, got {dtype!r}")
     flag("rotate", rotate)
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral):
+        _fail(TypeError, f"`group_size` must be an int, got {type(group_size).__name__}")
+    d = x.shape[-1]
+    if dtype != "int4":
+        if group_size != 32:
+            _fail(ValueError, f"`group_size` applies to int4 only ({dtype} has one scale a "
+                              f"row), got {group_size}")
+    elif d % 2 or group_size < 1 or d % group_size:
+        _fail(ValueError, f"an int4 cache needs an even head dim (two numbers a byte) that is a "
+                          f"multiple of `group_size`: got head dim {d} and group_size "
+                          f"{group_size}")
     if rotate:
-        rotatable("x", x.shape[-1])
-    return x, dtype
+        rotatable("x", d)
+    return x, dtype, d // group_size if dtype == "int4" else 1
 
 
 def rotatable(name, d):

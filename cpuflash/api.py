@@ -286,47 +286,57 @@ QuantizedKV = _quantize.QuantizedKV
 
 
 @_public.public()
-def quantize_kv(x, dtype="int8", *, rotate=False):
-    """Quantize keys or values for an 8-bit KV cache: one symmetric scale per row.
+def quantize_kv(x, dtype="int8", *, group_size=32, rotate=False):
+    """Quantize keys or values for a compressed KV cache: int8 or float8_e4m3 with one
+    symmetric scale per row, or int4 with one per group of a row.
 
     Parameters
     ----------
     x : (..., Hk, N, D) float array
         Keys or values (any float dtype; read as float32). Each row of D numbers (one token of
         one head) is quantized on its own.
-    dtype : {"int8", "float8_e4m3"}
-        The 8-bit format: int8, or ``ml_dtypes.float8_e4m3fn`` (needs ml_dtypes).
+    dtype : {"int8", "float8_e4m3", "int4"}
+        The format: int8, ``ml_dtypes.float8_e4m3fn`` (needs ml_dtypes), or 4-bit integers
+        in [-7, 7], two a byte.
+    group_size : int
+        int4 only: how many consecutive numbers of a row share a scale (D a multiple of it, D
+        even). The 8-bit formats have one scale a row (a `group_size` other than the default
+        is a ValueError there).
     rotate : bool
         Turn each row by the orthonormal Walsh-Hadamard matrix ``H`` (D a power of two) before
-        quantizing: it spreads a row's outliers over all of its numbers, so they share one
-        scale with less loss. `attention_with_kvcache` turns q and the output itself (a
-        rotated key cache needs a rotated value cache); `dequantize_kv` turns rows back.
+        quantizing: it spreads a row's outliers over all of its numbers, so they share a scale
+        with less loss. `attention_with_kvcache` turns q and the output itself (a rotated key
+        cache needs a rotated value cache); `dequantize_kv` turns rows back.
 
     Returns
     -------
     QuantizedKV(data, scale, rotated)
-        ``data`` (..., Hk, N, D) int8 or float8_e4m3fn, ``x / scale`` rounded to nearest
-        (ties to even); ``scale`` (..., Hk, N) float32, the float32 division ``amax / 127``
-        (``/ 448`` for float8_e4m3) of the row's largest magnitude. An all-zero row has scale 0
-        (and dequantizes to 0); a row holding inf or NaN has scale NaN and data 0 (it
-        dequantizes to NaN). Pass one for keys and one for values to
-        `attention_with_kvcache`.
+        int8 / float8_e4m3: ``data`` (..., Hk, N, D) int8 or float8_e4m3fn, ``x / scale``
+        rounded to nearest (ties to even); ``scale`` (..., Hk, N) float32, the float32 division
+        ``amax / 127`` (``/ 448`` for float8_e4m3) of the row's largest magnitude.
+        int4: ``data`` (..., Hk, N, D // 2) uint8, element ``2m`` of a row in the low nibble
+        and ``2m + 1`` in the high one (two's complement); ``scale`` (..., Hk, N,
+        D // group_size) float32, ``amax / 7`` of each group. An all-zero row (group) has scale
+        0 and dequantizes to 0; one holding inf or NaN has scale NaN and data 0 (it
+        dequantizes to NaN). Pass one for keys and one for values to `attention_with_kvcache`.
     """
-    x, name = _validate.quantize_args(x, dtype, rotate)
+    x, name, groups = _validate.quantize_args(x, dtype, rotate, group_size)
     if rotate:
-        return QuantizedKV(*_quantize.quantize_rows(_quantize.hadamard(x), name), rotated=True)
-    return QuantizedKV(*_quantize.quantize_rows(x, name))
+        return QuantizedKV(*_quantize.quantize_rows(_quantize.hadamard(x), name, groups),
+                           rotated=True)
+    return QuantizedKV(*_quantize.quantize_rows(x, name, groups))
 
 
 @_public.public()
 def dequantize_kv(kq):
-    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row), turned
-    back by the Walsh-Hadamard matrix where the cache is rotated.
+    """The float32 numbers a `QuantizedKV` holds: ``data * scale`` (one scale per row, or per
+    group of an int4 row), turned back by the Walsh-Hadamard matrix where the cache is rotated.
 
     Parameters
     ----------
     kq : QuantizedKV
-        ``data`` (..., D) int8 or float8_e4m3fn and ``scale`` (...) float32.
+        ``data`` (..., D) int8 or float8_e4m3fn and ``scale`` (...) float32, or int4's
+        ``data`` (..., D // 2) uint8 and ``scale`` (..., D // group_size) float32.
 
     Returns
     -------

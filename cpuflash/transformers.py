@@ -174,8 +174,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _quantized_attention(query, layer, sinks, keywords):
-    """A step of a model on a `QuantizedKVCache`: its 8-bit rows read in place by the decode
-    kernel (the new keys were quantized into them by the layer's `update`)."""
+    """A step of a model on a `QuantizedKVCache`: its rows read in place by the decode kernel
+    (the new keys were quantized into them by the layer's `update`)."""
     if sinks is not None:
         keywords["sinks"] = _numpy(sinks)
     keywords.setdefault("causal", False)
@@ -400,8 +400,9 @@ def register(name=NAME):
 # -- an 8-bit KV cache
 
 class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
-    """One attention layer's keys and values as 8-bit rows with a float32 scale per (token,
-    head) (`cpuflash.quantize_kv`), in numpy arrays that grow by a fraction as tokens come.
+    """One attention layer's keys and values as quantized rows (`cpuflash.quantize_kv`: 8-bit
+    with a float32 scale per (token, head), or int4 with one per group), in numpy arrays that
+    grow by a fraction as tokens come.
 
     `update` quantizes the new keys and values into them and returns placeholders, tagged with
     the layer, that cpuflash's attention function reads through (`_quantized_attention`):
@@ -411,9 +412,9 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, dtype="int8", rotate=False, **kwargs):
+    def __init__(self, dtype="int8", rotate=False, group_size=32, **kwargs):
         super().__init__(**kwargs)
-        self.format, self.rotate = dtype, rotate
+        self.format, self.rotate, self.group_size = dtype, rotate, group_size
         self.length = 0
         self.k_cache = self.v_cache = None
 
@@ -428,7 +429,7 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         self._make_room(key_states.shape, value_states.shape[-1], self.length + n_new)
         end = self.length + n_new
         for cache, new in ((self.k_cache, key_states), (self.v_cache, value_states)):
-            rows = api.quantize_kv(_numpy(new.detach()), self.format, rotate=self.rotate)
+            rows = self._quantized(_numpy(new.detach()), rotate=self.rotate)
             cache.data[:, :, self.length:end] = rows.data
             cache.scale[:, :, self.length:end] = rows.scale
         self.length = end
@@ -445,16 +446,21 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         capacity = needed if have == 0 else needed + max(64, needed // 16)
         grown = []
         for old, d in ((self.k_cache, shape[-1]), (self.v_cache, d_v)):
-            empty = api.quantize_kv(np.zeros((shape[0], shape[1], capacity, d), np.float32),
-                                    self.format)
+            empty = self._quantized(np.zeros((shape[0], shape[1], capacity, d), np.float32))
             if old is not None:
                 empty.data[:, :, :self.length] = old.data[:, :, :self.length]
                 empty.scale[:, :, :self.length] = old.scale[:, :, :self.length]
             grown.append(empty)
         self.k_cache, self.v_cache = grown
 
+    def _quantized(self, x, rotate=False):
+        if self.format == "int4":
+            return api.quantize_kv(x, "int4", group_size=self.group_size, rotate=rotate)
+        return api.quantize_kv(x, self.format, rotate=rotate)
+
     def _placeholder(self, cache):
-        shape = cache.data.shape[:2] + (self.length, cache.data.shape[3])
+        d = cache.data.shape[3] * (2 if self.format == "int4" else 1)  # int4: two a byte
+        shape = cache.data.shape[:2] + (self.length, d)
         placeholder = torch.full((), float("nan"), dtype=self.dtype).expand(shape)
         setattr(placeholder, _QUANTIZED, self)
         return placeholder
@@ -471,7 +477,7 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 
     @property
     def nbytes(self):
-        """Bytes the layer's arrays hold (8-bit rows and scales, the spare rows included)."""
+        """Bytes the layer's arrays hold (rows and scales, the spare rows included)."""
         if self.k_cache is None:
             return 0
         return sum(c.data.nbytes + c.scale.nbytes for c in (self.k_cache, self.v_cache))
@@ -494,36 +500,46 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 
 
 class QuantizedKVCache(transformers.cache_utils.Cache):
-    """A KV cache of 8-bit keys and values that cpuflash attends to without dequantizing it.
+    """A KV cache of 8-bit or 4-bit keys and values that cpuflash attends to without
+    dequantizing it.
 
     Pass it as ``cache=`` to ``model.forward`` or ``model.generate`` of a model on the "cpufa"
     attention implementation (`register`): transformers 5.24 takes that name, and its older
     ``past_key_values=`` still works but warns that it is deprecated. Each layer keeps its keys
-    and values as int8 (or float8_e4m3fn) rows with one float32 scale per (token, head), as
-    `cpuflash.quantize_kv` makes them: about 0.27x the bytes of a float32 cache at head dim 64
-    (0.26x at 128), plus, once decoding has begun, at most a sixteenth spare (64 tokens for
-    short sequences). New keys are quantized as they come, and the decode kernel reads the
-    8-bit rows in place, widening them in registers (`cpuflash.attention_with_kvcache`).
-    Batches with padding, and gradients, attend to a dequantized copy instead.
+    and values as `cpuflash.quantize_kv` makes them: int8 (or float8_e4m3fn) rows with one
+    float32 scale per (token, head), about 0.27x the bytes of a float32 cache at head dim 64
+    (0.26x at 128); or int4, two numbers a byte with a scale per group of `group_size`, 0.16x
+    at group 32. Once decoding has begun, at most a sixteenth is spare (64 tokens for short
+    sequences). New keys are quantized as they come, and the decode kernel reads the rows in
+    place (`cpuflash.attention_with_kvcache`). Batches with padding, and gradients, attend to
+    a dequantized copy instead.
 
     Parameters
     ----------
     config : transformers.PretrainedConfig
         The model's config (its number of layers).
-    dtype : {"int8", "float8_e4m3"}
-        The 8-bit format.
+    dtype : {"int8", "float8_e4m3", "int4"}
+        The format.
+    group_size : int
+        int4 only: numbers of a row that share a scale (the head dims a multiple of it).
     rotate : bool
         Turn each key and value row by the Walsh-Hadamard matrix before quantizing
-        (`cpuflash.quantize_kv`'s `rotate`; the head dims must be powers of two).
+        (`cpuflash.quantize_kv`'s `rotate`; the head dims must be powers of two). For int4,
+        it is what keeps a model's tokens close to the float cache's (docs/quantized_kv.md).
     """
 
-    def __init__(self, config, dtype="int8", rotate=False):
-        if dtype not in ("int8", "float8_e4m3"):
-            raise ValueError(f"`dtype` must be 'int8' or 'float8_e4m3', got {dtype!r}")
+    def __init__(self, config, dtype="int8", group_size=32, rotate=False):
+        if dtype not in ("int8", "float8_e4m3", "int4"):
+            raise ValueError(f"`dtype` must be 'int8', 'float8_e4m3' or 'int4', got {dtype!r}")
         if not isinstance(rotate, bool):
             raise TypeError(f"`rotate` must be True or False, got {rotate!r}")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"`group_size` must be a positive int, got {group_size!r}")
+        if dtype != "int4" and group_size != 32:
+            raise ValueError(f"`group_size` applies to int4 only ({dtype} has one scale a "
+                             f"row), got {group_size}")
         config = config.get_text_config(decoder=True)
-        super().__init__(layers=[_QuantizedLayer(dtype, rotate) for _ in
+        super().__init__(layers=[_QuantizedLayer(dtype, rotate, group_size) for _ in
                                  range(config.num_hidden_layers)])
 
     @property

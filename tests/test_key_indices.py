@@ -87,14 +87,15 @@ def test_kvcache_contiguous_paged_and_int8(rng):
                                             cache_seqlens=seqlens + 1, block_table=order,
                                             value_dim=64, key_indices=keys)
     np.testing.assert_allclose(paged, out, rtol=1e-6, atol=1e-6)
-    kq = cpuflash.quantize_kv(written)
-    out8 = cpuflash.attention_with_kvcache(q, kq, None, cache_seqlens=seqlens + 1,
-                                           value_dim=64, key_indices=keys)
-    deq = cpuflash.dequantize_kv(kq)
-    for b in range(2):
-        n = seqlens[b] + 1
-        assert_close_to_reference(out8[b], q[b], deq[b, :, :n], deq[b, :, :n, :64],
-                                  causal=True, mask=as_mask(keys[b:b + 1], 64, n)[0])
+    for fmt in ("int8", "float8_e4m3", "int4"):  # (float8 once gathered its bits as numbers)
+        kq = cpuflash.quantize_kv(written, fmt)
+        out8 = cpuflash.attention_with_kvcache(q, kq, None, cache_seqlens=seqlens + 1,
+                                               value_dim=64, key_indices=keys)
+        deq = cpuflash.dequantize_kv(kq)
+        for b in range(2):
+            n = seqlens[b] + 1
+            assert_close_to_reference(out8[b], q[b], deq[b, :, :n], deq[b, :, :n, :64],
+                                      causal=True, mask=as_mask(keys[b:b + 1], 64, n)[0])
 
 
 @pytest.mark.parametrize("options", [dict(causal=True), dict(window=(10, 3)),

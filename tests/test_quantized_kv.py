@@ -135,12 +135,13 @@ def test_quantize_and_dequantize_errors():
         quantize_kv(np.ones((2, 8), np.int32))
     with pytest.raises(ValueError, match="`x` must have at least one axis"):
         quantize_kv(np.array(1.0, np.float32))
-    with pytest.raises(ValueError, match="`dtype` must be one of \\('int8', 'float8_e4m3'\\), "
-                                         "got 'int4'"):
-        quantize_kv(x, dtype="int4")
+    with pytest.raises(ValueError, match="`dtype` must be one of \\('int8', 'float8_e4m3', "
+                                         "'int4'\\), got 'int2'"):
+        quantize_kv(x, dtype="int2")
     with pytest.raises(TypeError, match="`kq` must be a cpuflash.QuantizedKV"):
         dequantize_kv(x)
-    with pytest.raises(TypeError, match="`kq.data` must be int8 or float8_e4m3fn, got float32"):
+    with pytest.raises(TypeError, match="`kq.data` must be int8 or float8_e4m3fn \\(a scale per "
+                                        "row\\), or uint8 \\(int4.*got float32"):
         dequantize_kv(QuantizedKV(x, np.ones((2, 4), np.float32)))
     kq = quantize_kv(x)
     with pytest.raises(TypeError, match="`kq.scale` must be float32, got float64"):

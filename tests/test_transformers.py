@@ -648,16 +648,17 @@ class DequantizedLayer(transformers.cache_utils.DynamicLayer):
     """A float cache layer holding what a QuantizedKVCache layer holds: each new key and value
     row quantized and dequantized again (the oracle of the quantized cache)."""
 
-    def __init__(self, fmt, rotate=False):
+    def __init__(self, fmt, rotate=False, group_size=32):
         super().__init__()
         self.fmt, self.rotate = fmt, rotate
+        self.extra = {"group_size": group_size} if fmt == "int4" else {}
 
     def update(self, key_states, value_states, *args, **kwargs):
         import cpuflash
 
         key_states, value_states = (torch.from_numpy(cpuflash.dequantize_kv(
-            cpuflash.quantize_kv(x.float().numpy(), self.fmt, rotate=self.rotate))).to(x.dtype)
-            for x in (key_states, value_states))
+            cpuflash.quantize_kv(x.float().numpy(), self.fmt, rotate=self.rotate, **self.extra)))
+            .to(x.dtype) for x in (key_states, value_states))
         return super().update(key_states, value_states, *args, **kwargs)
 
 
@@ -670,14 +671,15 @@ def cache_keyword(model):
         else "past_key_values"
 
 
-def dequantized_cache(model, fmt, rotate=False):
+def dequantized_cache(model, fmt, rotate=False, group_size=32):
     layers = model.config.num_hidden_layers
-    return transformers.cache_utils.Cache(layers=[DequantizedLayer(fmt, rotate)
+    return transformers.cache_utils.Cache(layers=[DequantizedLayer(fmt, rotate, group_size)
                                                   for _ in range(layers)])
 
 
 @needs_mask_registry
-@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True)])
+@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True),
+                                        ("int4", True)])
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])  # gpt-oss: sinks and a window too
 def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, rotate, monkeypatch):
     """Generation on a QuantizedKVCache (every attention call reading the 8-bit cache in place)
@@ -689,9 +691,11 @@ def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, rotate, monk
                   output_logits=True, return_dict_in_generate=True)
     with torch.inference_mode():
         key = cache_keyword(model)
-        expected = model.generate(**{key: dequantized_cache(model, fmt, rotate)}, **kwargs)
+        extra = {"group_size": 4} if fmt == "int4" else {}  # (the small models' head dim: 8)
+        expected = model.generate(**{key: dequantized_cache(model, fmt, rotate, **extra)},
+                                  **kwargs)
         spy = Spy(monkeypatch)
-        cache = cft.QuantizedKVCache(model.config, fmt, rotate=rotate)
+        cache = cft.QuantizedKVCache(model.config, fmt, rotate=rotate, **extra)
         got = model.generate(**{key: cache}, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits),
@@ -699,6 +703,9 @@ def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, rotate, monk
     assert [call[0] for call in spy.calls] == \
         ["attention_with_kvcache"] * 5 * model.config.num_hidden_layers
     assert cache.get_seq_length() == 9 + 4 and cache.layers[0].k_cache.data.dtype.itemsize == 1
+    if fmt == "int4":  # two numbers a byte, a scale per group of 4
+        layer = cache.layers[0]
+        assert layer.k_cache.data.shape[3] * 2 == layer.k_cache.scale.shape[3] * 4
 
 
 @needs_mask_registry
@@ -718,8 +725,11 @@ def test_quantized_cache_with_padding_attends_to_a_dequantized_copy():
 
 def test_quantized_cache_refuses_other_formats_and_fails_loudly_elsewhere():
     model = small_model("llama")
-    with pytest.raises(ValueError, match="`dtype` must be 'int8' or 'float8_e4m3', got 'int4'"):
-        cft.QuantizedKVCache(model.config, "int4")
+    with pytest.raises(ValueError, match="`dtype` must be 'int8', 'float8_e4m3' or 'int4', got "
+                                         "'int2'"):
+        cft.QuantizedKVCache(model.config, "int2")
+    with pytest.raises(ValueError, match="`group_size` applies to int4 only"):
+        cft.QuantizedKVCache(model.config, "int8", group_size=64)
     use(model, "eager")  # the placeholders are NaN: another implementation cannot miss it
     with torch.inference_mode():
         logits = model(input_ids=torch.ones((1, 4), dtype=torch.long),
@@ -730,7 +740,8 @@ def test_quantized_cache_refuses_other_formats_and_fails_loudly_elsewhere():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True)])
+@pytest.mark.parametrize("fmt,rotate", [("int8", False), ("float8_e4m3", False), ("int8", True),
+                                        ("int4", True)])
 def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_thread, fmt, rotate):
     """Teacher forcing over 200 positions of text: each position's next-token choice with the
     8-bit cache (one call: the prompt's keys are quantized as they are written, then attended
@@ -745,8 +756,10 @@ def test_smollm2_next_tokens_agree_on_a_quantized_cache(smollm2, torch_one_threa
         cache = cft.QuantizedKVCache(model.config, fmt, rotate=rotate)
         got = model(input_ids=ids, **{cache_keyword(model): cache}).logits.argmax(-1)
     agreement = (got == expected).float().mean().item()
-    assert agreement >= 0.97, agreement
+    # (int4 rotated measured 0.935: docs/quantized_kv.md, "Error in a model")
+    assert agreement >= (0.92 if fmt == "int4" else 0.97), agreement
     config = model.config
     float32_bytes = (4 * 2 * config.num_hidden_layers * config.num_key_value_heads * 200
                      * (config.hidden_size // config.num_attention_heads))
-    assert cache.nbytes <= 0.3 * float32_bytes  # the prompt's rows exactly, no spare yet
+    # the prompt's rows exactly, no spare yet
+    assert cache.nbytes <= (0.16 if fmt == "int4" else 0.3) * float32_bytes

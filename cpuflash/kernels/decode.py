@@ -26,7 +26,9 @@ A quantized cache (`cpuflash.quantize_kv`: int8, or float8_e4m3fn read as uint8 
 float32 scale per (token, head)) goes through the same code: its rows are widened in registers
 as they are loaded, unscaled, and the scales multiply the scores (keys) and the probabilities
 before ``P V`` (values); see `_decode_items`. The queries are then float32, and the four-row
-micro-kernels serve every head dim.
+micro-kernels serve every head dim. An int4 cache (two numbers a byte, a scale per group of a
+row) goes through `decode_int4`, which turns each block's rows into float32 ones as it reads
+them (`_int4_rows`, into the buffers of widened copies) and computes as on a float32 cache.
 
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
@@ -41,9 +43,10 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
-from .._simd import prefetch, vadd, vbroadcast, vfma, vhsum, vload, vstore_hsums, vsub, vzeros
+from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vmul, vsplat,
+                     vstore, vstore_hsums, vsub, vzeros)
 from . import _layout, _pipeline, _products, _steps, _user
-from ._convert import load_widened, row_offset, unit, vector_rows, widen
+from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
 
 
 def jit_borrowing(func, cache=_jit.CACHING):
@@ -76,6 +79,9 @@ _band_rows = jit_borrowing(_steps.band_mask_tile.py_func, cache=False)
 # True in `decode_plain`'s copy of `_decode_items` (`_jit.variant`), for calls with no modifier
 # but a causal mask or a window: Numba then compiles none of the others' branches
 PLAIN = False
+# True in `decode_int4`'s copies: the caches are int4 pairs (uint8) with a scale per group,
+# (pages, Hk, page rows, groups), read through float32 copies of each block's rows
+INT4 = False
 
 
 def line_elements(arr):
@@ -123,7 +129,8 @@ def _work(q, v_cache, n_keys):
     keys = 0
     for b in range(n_keys.shape[0]):
         keys += n_keys[b]
-    return keys * q.shape[1] * q.shape[2] * (q.shape[3] + v_cache.shape[3])
+    dv = 2 * v_cache.shape[3] if INT4 else v_cache.shape[3]
+    return keys * q.shape[1] * q.shape[2] * (q.shape[3] + dv)
 
 
 @jit
@@ -133,8 +140,11 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
     next block's columns and key starts."""
     n = _layout.lanes(like)
     direct = vector_rows(k_cache, n) and vector_rows(v_cache, n)  # rows read in place
+    dv = v_cache.shape[3]
+    if INT4:  # float32 copies of the rows
+        direct, dv = False, 2 * dv
     q_rows, k_rows, v_tile, scores, acc = _buffers(rows, block_k, 0 if direct else block_k,
-                                                   d, v_cache.shape[3], like)
+                                                   d, dv, like)
     row_max = np.empty(rows, dtype=like.dtype)
     row_sum = np.empty(rows, dtype=like.dtype)
     alpha = np.empty(rows, dtype=like.dtype)
@@ -220,12 +230,17 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                           next_starts[0] if n_next else NOTHING_NEXT)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
-                _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows,
-                            half_kind)
+                if INT4:
+                    _int4_rows(k_cache, k_scale, block_table, b, hk, kb, cols, page_size, k_rows)
+                else:
+                    _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows,
+                                half_kind)
                 _dot_rows(q_rows, k_rows, (run_cols, k_starts, n_runs, k_step), scores, rows,
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), False,
                           NOTHING_NEXT)
-            if quantized:  # -- S *= the keys' scales
+            if INT4:
+                pass  # (the scales are in the copies)
+            elif quantized:  # -- S *= the keys' scales
                 _scale_columns(scores, rows, cols, k_scale, unit(k_cache), block_table, b, hk, kb,
                                page_size, False)
             _steps.scale_tile(scores, rows, cols, s_mult, *everything)
@@ -248,7 +263,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             # -- online softmax and acc = alpha * acc + P V (the four-row micro-kernels
             # prefetching the next block's key rows meanwhile)
             _products.softmax_update(scores, row_max, row_sum, alpha, rows, cols, *everything)
-            if quantized:  # -- P *= the value rows' scales (row_sum has the true P)
+            if INT4:
+                pass
+            elif quantized:  # -- P *= the value rows' scales (row_sum has the true P)
                 _scale_columns(scores, rows, cols, v_scale, unit(v_cache), block_table, b, hk, kb,
                                page_size, True)
             seen = (not inside or masked, n_q, shift - kb, (left, right), visible,
@@ -257,7 +274,11 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
                          rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), seen)
             else:
-                _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half_kind)
+                if INT4:
+                    _int4_rows(v_cache, v_scale, block_table, b, hk, kb, cols, page_size, v_tile)
+                else:
+                    _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile,
+                                half_kind)
                 _pv_rows(scores, v_tile, (run_cols, v_starts, n_runs, v_step), v_tile.shape[1],
                          acc, alpha, rows, half_kind, k_cache, (next_cols, next_starts, 0, k_step),
                          seen)
@@ -346,6 +367,35 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind
         page = block_table[b, (start + c) // page_size]
         for x in range(cache.shape[3]):
             dst[c, x] = widen(cache[page, h, (start + c) % page_size, x], half_kind)
+
+
+@jit_borrowing
+def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst):
+    """Rows start .. start + cols of an int4 cache (batch b, head h) into the float32 rows of
+    `dst`: each number times its group's scale, the bits of `_quantize.dequantize_rows`. A
+    vector of numbers at a time where a group is whole vectors, else number by number."""
+    n_groups = scale.shape[3]
+    d = 2 * cache.shape[3]
+    size = d // n_groups
+    n = _layout.lanes(dst)
+    vectors = size % n == 0 and contiguous_rows(cache)
+    stride = dst.shape[1]
+    for c in range(cols):
+        page = block_table[b, (start + c) // page_size]
+        row = (start + c) % page_size
+        if vectors:
+            o = row_offset(cache, page, h, row)
+            for g in range(n_groups):
+                factor = vsplat(scale[page, h, row, g], dst)
+                for x in range(g * size, (g + 1) * size, n):
+                    vstore(dst, c * stride + x, vmul(vload_i4(cache, o + x // 2), factor))
+        else:
+            for x in range(d):
+                pair = np.int32(cache[page, h, row, x // 2])
+                number = pair >> 4 if x & 1 else pair & 15
+                if number > 7:  # the nibble's sign bit
+                    number -= 16
+                dst[c, x] = np.float32(number) * scale[page, h, row, x // size]
 
 
 @jit_borrowing
@@ -834,13 +884,13 @@ def _join4(acc, r, x, alpha, a0, a1, a2, a3):
         _layout.rescale_add(acc, o + i * _layout.lanes(acc), alpha[r], total)
 
 
-def _signature(key):
+def _signature(key, scale_axes=3):
     """(cache dtype, compute dtype, query dtype, the Numba types of the user's functions and
     their argument tuples): the same dtype thrice for a float cache; an 8-bit cache (int8, or
     uint8 float8 bits) with float32 queries."""
     cache, compute, query, user_types = key
     data = array(cache, 4, readonly=True)
-    scale = array(np.float32, 3, readonly=True)
+    scale = array(np.float32, scale_axes, readonly=True)
     i8 = types.int64
     return types.void(
         array(query, 4, readonly=True), data, data, scale, scale,
@@ -848,8 +898,19 @@ def _signature(key):
         *_pipeline.kernel_types(compute, *user_types), array(compute, 5), array(compute, 4), i8)
 
 
+def _signature_int4(key):
+    """`_signature` of an int4 cache (uint8 pairs): its scales have an axis of groups."""
+    return _signature(key, scale_axes=4)
+
+
 decode = Kernel(_decode, _signature, "KV-cache decoding")
 decode_plain = Kernel(
     variant(_decode, "_plain",
             _decode_items=jit_borrowing(variant(_decode_items.py_func, "_plain", PLAIN=True))),
     _signature, "KV-cache decoding")
+decode_int4 = Kernel(
+    variant(_decode, "_int4",
+            _decode_items=jit_borrowing(variant(_decode_items.py_func, "_int4", INT4=True)),
+            _item_buffers=_jit.jit(variant(_item_buffers.py_func, "_int4", INT4=True)),
+            _work=jit_borrowing(variant(_work.py_func, "_int4", INT4=True))),
+    _signature_int4, "KV-cache decoding (int4)")
