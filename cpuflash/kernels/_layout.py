@@ -1,9 +1,10 @@
-"""What every tile step shares: the micro-tiles' sizes, a tile's buffers and the columns a row
-sees, and the two-vector stores the micro-kernels end with.
+"""What every tile step shares: the micro-tiles' sizes, a tile's buffers, the columns a row
+sees, and how a block's sum joins the running sum.
 
-`_products` (float tiles), `_pairs` (bfloat16 pairs) and `_tiles` (AMX) build on these; none of
-them is imported here, so the three import this module and `_products` imports the other two
-(`_steps`, the score pipeline's steps, imports `_products`).
+`_micro` (the micro-kernels), `_products` (float tiles), `_pairs` (bfloat16 pairs) and `_tiles`
+(AMX) build on these; none of them is imported here, so they import this module, `_pairs` and
+`_products` import `_micro`, and `_products` imports `_pairs` and `_tiles` (`_steps`, the score
+pipeline's steps, imports `_products`).
 """
 
 import numpy as np
@@ -12,7 +13,7 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _amx, _simd, tiling
 from .._jit import STRICT_OPTIONS, jit
-from .._simd import vadd, vfma, vload, vmul, vsplat, vstore
+from .._simd import vfma, vload, vsplat, vstore
 
 ROWS = 6  # query rows per micro-tile
 UNBOUNDED = 1 << 40  # a band edge that no tile reaches
@@ -115,21 +116,6 @@ def _sees(panel, w, r, n_rows, lo_off, hi_off):
 
 
 @jit
-def _store_or_add(scores, o, s0, s1, first, last, mult):
-    """scores[o : o + 2 vectors] = (s0, s1), or += (s0, s1) after the first chunk; the sum of
-    the last chunk is multiplied by `mult` before it is stored."""
-    n = lanes(scores)
-    if not first:
-        s0 = vadd(s0, vload(scores, o))
-        s1 = vadd(s1, vload(scores, o + n))
-    if last:
-        scale = vsplat(mult, scores)
-        s0, s1 = vmul(scale, s0), vmul(scale, s1)
-    vstore(scores, o, s0)
-    vstore(scores, o + n, s1)
-
-
-@jit
 def row_span(r, cols, lo_off, hi_off, n):
     """(first, end): the columns of the whole `n`-vectors that cover row r's visible columns
     r + lo_off .. r + hi_off of a block of `cols` columns (see `qk_tile`); empty when it sees
@@ -148,10 +134,3 @@ def rescale_add(acc, o, alpha, total):
     rounding error grows with block_k + number of blocks instead of with the sequence length.
     """
     vstore(acc, o, vfma(vsplat(alpha, acc), vload(acc, o), total))
-
-
-@jit
-def _rescale_add(acc, o, alpha, t0, t1):
-    """`rescale_add` of two vectors: acc[o : o + 2 vectors]."""
-    rescale_add(acc, o, alpha, t0)
-    rescale_add(acc, o + lanes(acc), alpha, t1)

@@ -30,15 +30,12 @@ from numba.extending import overload
 
 from .. import _amx, _simd
 from .._jit import HELPER_OPTIONS, jit
-from .._simd import vadd, vbroadcast_pair, vdot_pairs, vhsum, vload, vload_bf16, vload_bits, \
-    vload_pairs, vload_rows, vload_rows_bits, vstore, vstore_bits, vstore_interleaved, \
-    vmul, vsplat, vstore_pairs, vsub, vtranspose, vzeros
+from .._simd import vadd, vhsum, vload, vload_bf16, vload_bits, vload_rows, vload_rows_bits, \
+    vmul, vsplat, vstore, vstore_bits, vstore_interleaved, vstore_pairs, vsub, vtranspose, vzeros
 from . import _tiles
 from ._convert import BFLOAT16, narrow, row_offset, vector_rows, widen
-from ._layout import DOT_CHUNK, ROUNDS_P, ROWS, _rescale_add, _sees, _store_or_add, aligned_zeros, \
-    kept_count, round_up
-
-PAIR_CHUNK = DOT_CHUNK // 2  # pairs of a dot product summed in registers (DOT_CHUNK terms)
+from ._layout import ROUNDS_P, ROWS, _sees, aligned_zeros, kept_count, round_up
+from ._micro import pv_micro, qk_micro
 # Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
 # (`_tiles`), which read the same layouts, padded: the head dims to whole tiles (`DIMS` pairs),
 # and the operands of `pv_tile_pairs` with room for a step past the last key (`PAST`).
@@ -357,109 +354,14 @@ def qk_tile_pairs(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
             first = _sees(panel, w, r, ROWS, lo_off, hi_off)
             second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
             if first and second:
-                _qk_pairs6w(q_pairs, r, k_pairs, panel, scores, mult)
+                qk_micro(q_pairs, r, k_pairs, panel, scores, mult, ROWS, 2)
             elif first or second:
-                _qk_pairs6(q_pairs, r, k_pairs, panel if first else panel + 1, scores, mult)
+                qk_micro(q_pairs, r, k_pairs, panel if first else panel + 1, scores, mult,
+                         ROWS, 1)
         for r in range(full, rows):
             for p in range(panel, panel + 2 if pair else panel + 1):
                 if _sees(p, w, r, 1, lo_off, hi_off):
-                    _qk_pairs1(q_pairs, r, k_pairs, p, scores, mult)
-
-
-@jit
-def _qk_pairs6w(q_pairs, r, k_pairs, panel, scores, mult):
-    """Six rows x two panels (four vectors) of scores in 24 registers, `PAIR_CHUNK` pairs of
-    the sum at a time (the two-level sum of `_products._qk_micro6`)."""
-    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
-    n = _simd.LANES_F32
-    sw = scores.shape[1]
-    out = r * sw + panel * (w2 // 2)
-    q = r * qw
-    kp, kq = panel * dp * w2, (panel + 1) * dp * w2
-    for x0 in range(0, dp, PAIR_CHUNK):
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(scores)
-        d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(scores)
-        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
-            k0 = vload_pairs(k_pairs, kp + x * w2)
-            k1 = vload_pairs(k_pairs, kp + x * w2 + 2 * n)
-            k2 = vload_pairs(k_pairs, kq + x * w2)
-            k3 = vload_pairs(k_pairs, kq + x * w2 + 2 * n)
-            s = vbroadcast_pair(q_pairs, q + 2 * x)
-            a0, a1 = vdot_pairs(a0, s, k0), vdot_pairs(a1, s, k1)
-            a2, a3 = vdot_pairs(a2, s, k2), vdot_pairs(a3, s, k3)
-            s = vbroadcast_pair(q_pairs, q + qw + 2 * x)
-            b0, b1 = vdot_pairs(b0, s, k0), vdot_pairs(b1, s, k1)
-            b2, b3 = vdot_pairs(b2, s, k2), vdot_pairs(b3, s, k3)
-            s = vbroadcast_pair(q_pairs, q + 2 * qw + 2 * x)
-            c0, c1 = vdot_pairs(c0, s, k0), vdot_pairs(c1, s, k1)
-            c2, c3 = vdot_pairs(c2, s, k2), vdot_pairs(c3, s, k3)
-            s = vbroadcast_pair(q_pairs, q + 3 * qw + 2 * x)
-            d0, d1 = vdot_pairs(d0, s, k0), vdot_pairs(d1, s, k1)
-            d2, d3 = vdot_pairs(d2, s, k2), vdot_pairs(d3, s, k3)
-            s = vbroadcast_pair(q_pairs, q + 4 * qw + 2 * x)
-            e0, e1 = vdot_pairs(e0, s, k0), vdot_pairs(e1, s, k1)
-            e2, e3 = vdot_pairs(e2, s, k2), vdot_pairs(e3, s, k3)
-            s = vbroadcast_pair(q_pairs, q + 5 * qw + 2 * x)
-            f0, f1 = vdot_pairs(f0, s, k0), vdot_pairs(f1, s, k1)
-            f2, f3 = vdot_pairs(f2, s, k2), vdot_pairs(f3, s, k3)
-        first, last = x0 == 0, x0 + PAIR_CHUNK >= dp
-        w = w2 // 2
-        for row, s0, s1, s2, s3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
-                                    (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
-                                    (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-            _store_or_add(scores, out + row * sw, s0, s1, first, last, mult)
-            _store_or_add(scores, out + row * sw + w, s2, s3, first, last, mult)
-
-
-@jit
-def _qk_pairs6(q_pairs, r, k_pairs, panel, scores, mult):
-    """Six rows x one panel; the same sums as `_qk_pairs6w`."""
-    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
-    n = _simd.LANES_F32
-    sw = scores.shape[1]
-    out = r * sw + panel * (w2 // 2)
-    q = r * qw
-    kp = panel * dp * w2
-    for x0 in range(0, dp, PAIR_CHUNK):
-        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(scores)
-        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
-            k0 = vload_pairs(k_pairs, kp + x * w2)
-            k1 = vload_pairs(k_pairs, kp + x * w2 + 2 * n)
-            s = vbroadcast_pair(q_pairs, q + 2 * x)
-            a0, a1 = vdot_pairs(a0, s, k0), vdot_pairs(a1, s, k1)
-            s = vbroadcast_pair(q_pairs, q + qw + 2 * x)
-            b0, b1 = vdot_pairs(b0, s, k0), vdot_pairs(b1, s, k1)
-            s = vbroadcast_pair(q_pairs, q + 2 * qw + 2 * x)
-            c0, c1 = vdot_pairs(c0, s, k0), vdot_pairs(c1, s, k1)
-            s = vbroadcast_pair(q_pairs, q + 3 * qw + 2 * x)
-            d0, d1 = vdot_pairs(d0, s, k0), vdot_pairs(d1, s, k1)
-            s = vbroadcast_pair(q_pairs, q + 4 * qw + 2 * x)
-            e0, e1 = vdot_pairs(e0, s, k0), vdot_pairs(e1, s, k1)
-            s = vbroadcast_pair(q_pairs, q + 5 * qw + 2 * x)
-            f0, f1 = vdot_pairs(f0, s, k0), vdot_pairs(f1, s, k1)
-        first, last = x0 == 0, x0 + PAIR_CHUNK >= dp
-        _store_or_add(scores, out, a0, a1, first, last, mult)
-        _store_or_add(scores, out + sw, b0, b1, first, last, mult)
-        _store_or_add(scores, out + 2 * sw, c0, c1, first, last, mult)
-        _store_or_add(scores, out + 3 * sw, d0, d1, first, last, mult)
-        _store_or_add(scores, out + 4 * sw, e0, e1, first, last, mult)
-        _store_or_add(scores, out + 5 * sw, f0, f1, first, last, mult)
-
-
-@jit
-def _qk_pairs1(q_pairs, r, k_pairs, panel, scores, mult):
-    """One row x one panel: the remainder rows of a tile."""
-    qw, dp, w2 = q_pairs.shape[1], k_pairs.shape[1], k_pairs.shape[2]
-    n = _simd.LANES_F32
-    kp = panel * dp * w2
-    for x0 in range(0, dp, PAIR_CHUNK):
-        a0 = a1 = vzeros(scores)
-        for x in range(x0, min(dp, x0 + PAIR_CHUNK)):
-            s = vbroadcast_pair(q_pairs, r * qw + 2 * x)
-            a0 = vdot_pairs(a0, s, vload_pairs(k_pairs, kp + x * w2))
-            a1 = vdot_pairs(a1, s, vload_pairs(k_pairs, kp + x * w2 + 2 * n))
-        _store_or_add(scores, r * scores.shape[1] + panel * (w2 // 2), a0, a1, x0 == 0,
-                      x0 + PAIR_CHUNK >= dp, mult)
+                    qk_micro(q_pairs, r, k_pairs, p, scores, mult, 1, 1)
 
 
 # -- P V
@@ -492,14 +394,14 @@ def _pv_tile_pairs(scores, p_pairs, v_pairs, acc, alpha, rows, cols, lo_off, hi_
             for r in range(0, full, ROWS):
                 pair0, pair1 = _pair_range(max(0, r + lo_off), min(cols, r + ROWS + hi_off))
                 if wide:
-                    _pv_pairs6w(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+                    pv_micro(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1, ROWS, 2)
                 else:
-                    _pv_pairs6(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+                    pv_micro(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1, ROWS, 1)
             for r in range(full, rows):
                 pair0, pair1 = _pair_range(max(0, r + lo_off), min(cols, r + 1 + hi_off))
-                _pv_pairs1(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1)
+                pv_micro(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1, 1, 1)
                 if wide:
-                    _pv_pairs1(p_pairs, r, v_pairs, x0 + w, acc, alpha, pair0, pair1)
+                    pv_micro(p_pairs, r, v_pairs, x0 + w, acc, alpha, pair0, pair1, 1, 1)
     return pv
 
 
@@ -530,86 +432,3 @@ def _round_probs(scores, p_pairs, r, n_rows, key0, key1):
             p_pairs[row, key0 - 1] = 0
         if key1 % 2:
             p_pairs[row, key1] = 0
-
-
-@jit
-def _pv_pairs6w(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
-    """Six rows x four vectors of output columns in 24 registers, rescaled by alpha as they
-    join `acc`."""
-    n = _simd.LANES_F32
-    dvp, vw, sw = acc.shape[1], v_pairs.shape[1], p_pairs.shape[1]
-    o = r * dvp + x0
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
-    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
-    p = r * sw
-    for c in range(pair0, pair1):
-        row = c * vw + 2 * x0
-        v0, v1 = vload_pairs(v_pairs, row), vload_pairs(v_pairs, row + 2 * n)
-        v2, v3 = vload_pairs(v_pairs, row + 4 * n), vload_pairs(v_pairs, row + 6 * n)
-        s = vbroadcast_pair(p_pairs, p + 2 * c)
-        a0, a1 = vdot_pairs(a0, s, v0), vdot_pairs(a1, s, v1)
-        a2, a3 = vdot_pairs(a2, s, v2), vdot_pairs(a3, s, v3)
-        s = vbroadcast_pair(p_pairs, p + sw + 2 * c)
-        b0, b1 = vdot_pairs(b0, s, v0), vdot_pairs(b1, s, v1)
-        b2, b3 = vdot_pairs(b2, s, v2), vdot_pairs(b3, s, v3)
-        s = vbroadcast_pair(p_pairs, p + 2 * sw + 2 * c)
-        c0, c1 = vdot_pairs(c0, s, v0), vdot_pairs(c1, s, v1)
-        c2, c3 = vdot_pairs(c2, s, v2), vdot_pairs(c3, s, v3)
-        s = vbroadcast_pair(p_pairs, p + 3 * sw + 2 * c)
-        d0, d1 = vdot_pairs(d0, s, v0), vdot_pairs(d1, s, v1)
-        d2, d3 = vdot_pairs(d2, s, v2), vdot_pairs(d3, s, v3)
-        s = vbroadcast_pair(p_pairs, p + 4 * sw + 2 * c)
-        e0, e1 = vdot_pairs(e0, s, v0), vdot_pairs(e1, s, v1)
-        e2, e3 = vdot_pairs(e2, s, v2), vdot_pairs(e3, s, v3)
-        s = vbroadcast_pair(p_pairs, p + 5 * sw + 2 * c)
-        f0, f1 = vdot_pairs(f0, s, v0), vdot_pairs(f1, s, v1)
-        f2, f3 = vdot_pairs(f2, s, v2), vdot_pairs(f3, s, v3)
-    for row, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
-                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-        _rescale_add(acc, o + row * dvp, alpha[r + row], t0, t1)
-        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], t2, t3)
-
-
-@jit
-def _pv_pairs6(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
-    """Six rows x two vectors of output columns (the last slice of a narrow head)."""
-    n = _simd.LANES_F32
-    dvp, vw, sw = acc.shape[1], v_pairs.shape[1], p_pairs.shape[1]
-    o = r * dvp + x0
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
-    p = r * sw
-    for c in range(pair0, pair1):
-        row = c * vw + 2 * x0
-        v0, v1 = vload_pairs(v_pairs, row), vload_pairs(v_pairs, row + 2 * n)
-        s = vbroadcast_pair(p_pairs, p + 2 * c)
-        a0, a1 = vdot_pairs(a0, s, v0), vdot_pairs(a1, s, v1)
-        s = vbroadcast_pair(p_pairs, p + sw + 2 * c)
-        b0, b1 = vdot_pairs(b0, s, v0), vdot_pairs(b1, s, v1)
-        s = vbroadcast_pair(p_pairs, p + 2 * sw + 2 * c)
-        c0, c1 = vdot_pairs(c0, s, v0), vdot_pairs(c1, s, v1)
-        s = vbroadcast_pair(p_pairs, p + 3 * sw + 2 * c)
-        d0, d1 = vdot_pairs(d0, s, v0), vdot_pairs(d1, s, v1)
-        s = vbroadcast_pair(p_pairs, p + 4 * sw + 2 * c)
-        e0, e1 = vdot_pairs(e0, s, v0), vdot_pairs(e1, s, v1)
-        s = vbroadcast_pair(p_pairs, p + 5 * sw + 2 * c)
-        f0, f1 = vdot_pairs(f0, s, v0), vdot_pairs(f1, s, v1)
-    _rescale_add(acc, o, alpha[r], a0, a1)
-    _rescale_add(acc, o + dvp, alpha[r + 1], b0, b1)
-    _rescale_add(acc, o + 2 * dvp, alpha[r + 2], c0, c1)
-    _rescale_add(acc, o + 3 * dvp, alpha[r + 3], d0, d1)
-    _rescale_add(acc, o + 4 * dvp, alpha[r + 4], e0, e1)
-    _rescale_add(acc, o + 5 * dvp, alpha[r + 5], f0, f1)
-
-
-@jit
-def _pv_pairs1(p_pairs, r, v_pairs, x0, acc, alpha, pair0, pair1):
-    """One row x two vectors: the remainder rows of a tile."""
-    n = _simd.LANES_F32
-    vw = v_pairs.shape[1]
-    a0 = a1 = vzeros(acc)
-    p = r * p_pairs.shape[1]
-    for c in range(pair0, pair1):
-        s = vbroadcast_pair(p_pairs, p + 2 * c)
-        a0 = vdot_pairs(a0, s, vload_pairs(v_pairs, c * vw + 2 * x0))
-        a1 = vdot_pairs(a1, s, vload_pairs(v_pairs, c * vw + 2 * x0 + 2 * n))
-    _rescale_add(acc, r * acc.shape[1] + x0, alpha[r], a0, a1)

@@ -5,7 +5,7 @@ Shapes (compute dtype, C order, owned by one thread):
 
 * ``q_tile (groups, D, ROWS)``: the tile's queries in groups of ``ROWS`` rows, row ``r`` at
   ``q_tile[r // ROWS, :, r % ROWS]``, so the ``ROWS`` elements a micro-kernel broadcasts for one
-  dimension lie side by side (`rows_at`); the backward's tiles are plain ``(rows, D)``;
+  dimension lie side by side (`_micro.rows_at`); the backward's tiles are plain ``(rows, D)``;
 * ``k_panels (panels, D, W)``: the key block packed into panels of ``W = 2 * lanes`` keys (two
   SIMD vectors), so the Q K^T micro-kernel reads each panel as one contiguous stream;
 * ``v_tile (panels * W, Dvp)``: the value block, row-major, ``Dvp`` = Dv rounded up to ``W``;
@@ -16,9 +16,10 @@ Only the first `rows` x `cols` entries of a tile are meaningful. Padding columns
 `acc` are zero (they are allocated zeroed and never written), so whole vectors can be used.
 
 The three hot steps (Q K^T, the softmax update, P V) are written with the explicit SIMD values
-of `cpuflash._simd`: register-blocked micro-kernels of `ROWS` query rows x two vectors (12
-accumulators, for the 16 registers of AVX2), or x four vectors where the CPU has the 32 of
-AVX-512 (`WIDE`: 24 accumulators), whose accumulators stay in registers for a whole panel.
+of `cpuflash._simd`. The products run on register-blocked micro-kernels (`_micro`) of `ROWS`
+query rows x two vectors (12 accumulators, for the 16 registers of AVX2), or x four vectors where
+the CPU has the 32 of AVX-512 (`WIDE`: 24 accumulators), whose accumulators stay in registers for
+a whole panel.
 """
 
 import math
@@ -28,13 +29,13 @@ from numba import types
 from numba.extending import overload
 
 from .. import _amx
-from .._jit import HELPER_OPTIONS, STRICT_OPTIONS, jit
-from .._simd import vadd, vbroadcast, vexp2, vexp2_half, vfma, vhmax, vhsum, vload, vmax, vmul, \
-    vsplat, vstore, vsub, vtranspose, vzeros
+from .._jit import HELPER_OPTIONS, jit
+from .._simd import vadd, vexp2, vexp2_half, vhmax, vhsum, vload, vmax, vmul, vsplat, vstore, \
+    vsub, vtranspose, vzeros
 from ._convert import like_dtype, load_block, load_widened, narrow, row_offset, store_narrowed, \
     vector_rows, widen
-from ._layout import DOT_CHUNK, ROUNDS_P, ROWS, WIDE, _rescale_add, _sees, _store_or_add, lanes, \
-    round_up, row_span
+from ._layout import ROUNDS_P, ROWS, WIDE, _sees, lanes, round_up, row_span
+from ._micro import pv_micro, qk_micro, tn_micro
 from ._pairs import qk_tile_pairs
 from ._tiles import qk_tiles
 
@@ -61,37 +62,11 @@ def pack_rows(src, b, h, start, rows, dst, half_kind):
 @jit
 def pack_query_groups(src, b, h, start, rows, q_tile, half_kind):
     """q_tile[r // ROWS, :, r % ROWS] = src[b, h, start + r, :], widened to the compute dtype:
-    the row groups of `rows_at`. Once per query tile, so element by element."""
+    the row groups of `_micro.rows_at`. Once per query tile, so element by element."""
     for r in range(rows):
         g, i = r // ROWS, r % ROWS
         for x in range(src.shape[3]):
             q_tile[g, x, i] = widen(src[b, h, start + r, x], half_kind)
-
-
-def rows_at(tile, r):
-    """``(offset, column_step, row_step)`` of row r in the queries a Q K^T micro-kernel
-    broadcasts: element (r + i, x), for the rows r + i of r's micro-tile group, is at
-    ``offset + i * row_step + x * column_step``.
-
-    Row groups (``(groups, columns, ROWS)``, the forward's queries: `tile_buffers`) keep the
-    ``ROWS`` elements broadcast for one column in one cache line; a plain ``(rows, columns)``
-    tile (the backward's Q and dO) is read ``ROWS`` rows apart. A 6 x 16 micro-kernel ran
-    closer to the FMA peak on groups than on rows. P is not grouped: a scalar regrouping pass
-    cost more than the P V step gained (both measured on AVX2: docs/history.md, "The forward on
-    AVX2 (AMD EPYC Zen 3)").
-    """
-
-
-@overload(rows_at, jit_options=STRICT_OPTIONS)
-def _rows_at(tile, r):
-    if tile.ndim == 3:
-        def groups(tile, r):
-            return (r // ROWS * tile.shape[1] * ROWS + r % ROWS, ROWS, 1)
-        return groups
-
-    def rows(tile, r):
-        return (r * tile.shape[1], 1, tile.shape[1])
-    return rows
 
 
 @jit
@@ -160,14 +135,14 @@ def qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, c_lo,
             first = _sees(panel, w, r, ROWS, lo_off, hi_off)
             second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
             if first and second:
-                _qk_micro6w(q_tile, r, k_panels, panel, scores, mult)
+                qk_micro(q_tile, r, k_panels, panel, scores, mult, ROWS, 2)
             elif first or second:
-                _qk_micro6(q_tile, r, k_panels, panel if first else panel + 1, scores,
-                           mult)
+                qk_micro(q_tile, r, k_panels, panel if first else panel + 1, scores, mult,
+                         ROWS, 1)
         for r in range(full, rows):
             for p in range(panel, panel + 2 if pair else panel + 1):
                 if _sees(p, w, r, 1, lo_off, hi_off):
-                    _qk_micro1(q_tile, r, k_panels, p, scores, mult)
+                    qk_micro(q_tile, r, k_panels, p, scores, mult, 1, 1)
 
 
 def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
@@ -187,103 +162,6 @@ def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     def floats(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
         qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
     return floats
-
-
-@jit
-def _qk_micro6(q_tile, r, k_panels, panel, scores, mult):
-    """Six rows x one panel of scores, accumulated in 12 vector registers.
-
-    The sum over D runs in chunks of `DOT_CHUNK` that start from zero and are added to the
-    stored scores: a two-level sum, so the rounding error does not grow with D (float64 at
-    D = 512 needs it to stay within twice the error of BLAS).
-    """
-    d, w = q_tile.shape[1], k_panels.shape[2]
-    n = lanes(q_tile)
-    sw = scores.shape[1]
-    out = r * sw + panel * w
-    q, step, rs = rows_at(q_tile, r)
-    kp = panel * d * w
-    for x0 in range(0, d, DOT_CHUNK):
-        a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(q_tile)
-        for x in range(x0, min(d, x0 + DOT_CHUNK)):
-            k0 = vload(k_panels, kp + x * w)
-            k1 = vload(k_panels, kp + x * w + n)
-            qx = q + x * step
-            s = vbroadcast(q_tile, qx)
-            a0, a1 = vfma(s, k0, a0), vfma(s, k1, a1)
-            s = vbroadcast(q_tile, qx + rs)
-            b0, b1 = vfma(s, k0, b0), vfma(s, k1, b1)
-            s = vbroadcast(q_tile, qx + 2 * rs)
-            c0, c1 = vfma(s, k0, c0), vfma(s, k1, c1)
-            s = vbroadcast(q_tile, qx + 3 * rs)
-            d0, d1 = vfma(s, k0, d0), vfma(s, k1, d1)
-            s = vbroadcast(q_tile, qx + 4 * rs)
-            e0, e1 = vfma(s, k0, e0), vfma(s, k1, e1)
-            s = vbroadcast(q_tile, qx + 5 * rs)
-            f0, f1 = vfma(s, k0, f0), vfma(s, k1, f1)
-        first, last = x0 == 0, x0 + DOT_CHUNK >= d
-        _store_or_add(scores, out, a0, a1, first, last, mult)
-        _store_or_add(scores, out + sw, b0, b1, first, last, mult)
-        _store_or_add(scores, out + 2 * sw, c0, c1, first, last, mult)
-        _store_or_add(scores, out + 3 * sw, d0, d1, first, last, mult)
-        _store_or_add(scores, out + 4 * sw, e0, e1, first, last, mult)
-        _store_or_add(scores, out + 5 * sw, f0, f1, first, last, mult)
-
-
-@jit
-def _qk_micro6w(q_tile, r, k_panels, panel, scores, mult):
-    """Six rows x two panels (four vectors) of scores in 24 registers: each broadcast query
-    element feeds four FMAs instead of two. Same sums, in the same order, as `_qk_micro6`."""
-    d, w = q_tile.shape[1], k_panels.shape[2]
-    n = lanes(q_tile)
-    sw = scores.shape[1]
-    out = r * sw + panel * w
-    q, step, rs = rows_at(q_tile, r)
-    kp, kq = panel * d * w, (panel + 1) * d * w
-    for x0 in range(0, d, DOT_CHUNK):
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(q_tile)
-        d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(q_tile)
-        for x in range(x0, min(d, x0 + DOT_CHUNK)):
-            k0 = vload(k_panels, kp + x * w)
-            k1 = vload(k_panels, kp + x * w + n)
-            k2 = vload(k_panels, kq + x * w)
-            k3 = vload(k_panels, kq + x * w + n)
-            qx = q + x * step
-            s = vbroadcast(q_tile, qx)
-            a0, a1, a2, a3 = vfma(s, k0, a0), vfma(s, k1, a1), vfma(s, k2, a2), vfma(s, k3, a3)
-            s = vbroadcast(q_tile, qx + rs)
-            b0, b1, b2, b3 = vfma(s, k0, b0), vfma(s, k1, b1), vfma(s, k2, b2), vfma(s, k3, b3)
-            s = vbroadcast(q_tile, qx + 2 * rs)
-            c0, c1, c2, c3 = vfma(s, k0, c0), vfma(s, k1, c1), vfma(s, k2, c2), vfma(s, k3, c3)
-            s = vbroadcast(q_tile, qx + 3 * rs)
-            d0, d1, d2, d3 = vfma(s, k0, d0), vfma(s, k1, d1), vfma(s, k2, d2), vfma(s, k3, d3)
-            s = vbroadcast(q_tile, qx + 4 * rs)
-            e0, e1, e2, e3 = vfma(s, k0, e0), vfma(s, k1, e1), vfma(s, k2, e2), vfma(s, k3, e3)
-            s = vbroadcast(q_tile, qx + 5 * rs)
-            f0, f1, f2, f3 = vfma(s, k0, f0), vfma(s, k1, f1), vfma(s, k2, f2), vfma(s, k3, f3)
-        first, last = x0 == 0, x0 + DOT_CHUNK >= d
-        for row, s0, s1, s2, s3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3),
-                                    (2, c0, c1, c2, c3), (3, d0, d1, d2, d3),
-                                    (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-            _store_or_add(scores, out + row * sw, s0, s1, first, last, mult)
-            _store_or_add(scores, out + row * sw + w, s2, s3, first, last, mult)
-
-
-@jit
-def _qk_micro1(q_tile, r, k_panels, panel, scores, mult):
-    """One row x one panel: the remainder rows of a tile."""
-    d, w = q_tile.shape[1], k_panels.shape[2]
-    n = lanes(q_tile)
-    kp = panel * d * w
-    q, step, _ = rows_at(q_tile, r)
-    for x0 in range(0, d, DOT_CHUNK):
-        a0 = a1 = vzeros(q_tile)
-        for x in range(x0, min(d, x0 + DOT_CHUNK)):
-            s = vbroadcast(q_tile, q + x * step)
-            a0 = vfma(s, vload(k_panels, kp + x * w), a0)
-            a1 = vfma(s, vload(k_panels, kp + x * w + n), a1)
-        _store_or_add(scores, r * scores.shape[1] + panel * w, a0, a1, x0 == 0,
-                      x0 + DOT_CHUNK >= d, mult)
 
 
 @jit
@@ -440,92 +318,14 @@ def pv_columns(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, c_lo, c_h
         for r in range(0, full, ROWS):
             key0, key1 = max(c_lo, r + lo_off), min(c_hi, r + ROWS + hi_off)
             if wide:
-                _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1)
+                pv_micro(scores, r, v_tile, x0, acc, alpha, key0, key1, ROWS, 2)
             else:
-                _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1)
+                pv_micro(scores, r, v_tile, x0, acc, alpha, key0, key1, ROWS, 1)
         for r in range(full, rows):
             key0, key1 = max(c_lo, r + lo_off), min(c_hi, r + 1 + hi_off)
-            _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1)
+            pv_micro(scores, r, v_tile, x0, acc, alpha, key0, key1, 1, 1)
             if wide:
-                _pv_micro1(scores, r, v_tile, x0 + w, acc, alpha, key0, key1)
-
-
-@jit
-def _pv_micro6(scores, r, v_tile, x0, acc, alpha, key0, key1):
-    """Six rows x two vectors of output columns, rescaled by alpha on load, summed over keys."""
-    n = lanes(acc)
-    dvp, sw = acc.shape[1], scores.shape[1]
-    o = r * dvp + x0
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
-    p = r * sw
-    for c in range(key0, key1):
-        v0 = vload(v_tile, c * dvp + x0)
-        v1 = vload(v_tile, c * dvp + x0 + n)
-        s = vbroadcast(scores, p + c)
-        a0, a1 = vfma(s, v0, a0), vfma(s, v1, a1)
-        s = vbroadcast(scores, p + sw + c)
-        b0, b1 = vfma(s, v0, b0), vfma(s, v1, b1)
-        s = vbroadcast(scores, p + 2 * sw + c)
-        c0, c1 = vfma(s, v0, c0), vfma(s, v1, c1)
-        s = vbroadcast(scores, p + 3 * sw + c)
-        d0, d1 = vfma(s, v0, d0), vfma(s, v1, d1)
-        s = vbroadcast(scores, p + 4 * sw + c)
-        e0, e1 = vfma(s, v0, e0), vfma(s, v1, e1)
-        s = vbroadcast(scores, p + 5 * sw + c)
-        f0, f1 = vfma(s, v0, f0), vfma(s, v1, f1)
-    _rescale_add(acc, o, alpha[r], a0, a1)
-    _rescale_add(acc, o + dvp, alpha[r + 1], b0, b1)
-    _rescale_add(acc, o + 2 * dvp, alpha[r + 2], c0, c1)
-    _rescale_add(acc, o + 3 * dvp, alpha[r + 3], d0, d1)
-    _rescale_add(acc, o + 4 * dvp, alpha[r + 4], e0, e1)
-    _rescale_add(acc, o + 5 * dvp, alpha[r + 5], f0, f1)
-
-
-@jit
-def _pv_micro6w(scores, r, v_tile, x0, acc, alpha, key0, key1):
-    """Six rows x four vectors of output columns in 24 registers: each broadcast probability
-    feeds four FMAs instead of two. Same sums, in the same order, as `_pv_micro6`."""
-    n = lanes(acc)
-    dvp, sw = acc.shape[1], scores.shape[1]
-    o = r * dvp + x0
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
-    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
-    p = r * sw
-    for c in range(key0, key1):
-        row = c * dvp + x0
-        v0, v1 = vload(v_tile, row), vload(v_tile, row + n)
-        v2, v3 = vload(v_tile, row + 2 * n), vload(v_tile, row + 3 * n)
-        s = vbroadcast(scores, p + c)
-        a0, a1, a2, a3 = vfma(s, v0, a0), vfma(s, v1, a1), vfma(s, v2, a2), vfma(s, v3, a3)
-        s = vbroadcast(scores, p + sw + c)
-        b0, b1, b2, b3 = vfma(s, v0, b0), vfma(s, v1, b1), vfma(s, v2, b2), vfma(s, v3, b3)
-        s = vbroadcast(scores, p + 2 * sw + c)
-        c0, c1, c2, c3 = vfma(s, v0, c0), vfma(s, v1, c1), vfma(s, v2, c2), vfma(s, v3, c3)
-        s = vbroadcast(scores, p + 3 * sw + c)
-        d0, d1, d2, d3 = vfma(s, v0, d0), vfma(s, v1, d1), vfma(s, v2, d2), vfma(s, v3, d3)
-        s = vbroadcast(scores, p + 4 * sw + c)
-        e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
-        s = vbroadcast(scores, p + 5 * sw + c)
-        f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
-    for row, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
-                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-        _rescale_add(acc, o + row * dvp, alpha[r + row], t0, t1)
-        _rescale_add(acc, o + row * dvp + 2 * n, alpha[r + row], t2, t3)
-
-
-@jit
-def _pv_micro1(scores, r, v_tile, x0, acc, alpha, key0, key1):
-    """One row x two vectors: the remainder rows of a tile."""
-    n = lanes(acc)
-    dvp = acc.shape[1]
-    o = r * dvp + x0
-    a0 = a1 = vzeros(acc)
-    p = r * scores.shape[1]
-    for c in range(key0, key1):
-        s = vbroadcast(scores, p + c)
-        a0 = vfma(s, vload(v_tile, c * dvp + x0), a0)
-        a1 = vfma(s, vload(v_tile, c * dvp + x0 + n), a1)
-    _rescale_add(acc, o, alpha[r], a0, a1)
+                pv_micro(scores, r, v_tile, x0 + w, acc, alpha, key0, key1, 1, 1)
 
 
 @jit
@@ -668,98 +468,14 @@ def tn_tile(a, b_rows, acc, rows, cols, lo_off, hi_off):
         for c in range(0, full, ROWS):
             row0, row1 = max(0, c - hi_off), min(rows, c + ROWS - lo_off)
             if wide:
-                _tn_micro6w(a, c, b_rows, x0, acc, row0, row1)
+                tn_micro(a, c, b_rows, x0, acc, row0, row1, ROWS, 2)
             else:
-                _tn_micro6(a, c, b_rows, x0, acc, row0, row1)
+                tn_micro(a, c, b_rows, x0, acc, row0, row1, ROWS, 1)
         for c in range(full, cols):
             row0, row1 = max(0, c - hi_off), min(rows, c + 1 - lo_off)
-            _tn_micro1(a, c, b_rows, x0, acc, row0, row1)
+            tn_micro(a, c, b_rows, x0, acc, row0, row1, 1, 1)
             if wide:
-                _tn_micro1(a, c, b_rows, x0 + w, acc, row0, row1)
-
-
-@jit
-def _tn_micro6(a, c, b_rows, x0, acc, row0, row1):
-    """Six columns of `a` x two vectors of output columns, summed over rows row0 .. row1 - 1."""
-    n = lanes(acc)
-    bw, aw = acc.shape[1], a.shape[1]
-    a0 = a1 = b0 = b1 = c0 = c1 = d0 = d1 = e0 = e1 = f0 = f1 = vzeros(acc)
-    for r in range(row0, row1):
-        v0 = vload(b_rows, r * bw + x0)
-        v1 = vload(b_rows, r * bw + x0 + n)
-        p = r * aw + c
-        s = vbroadcast(a, p)
-        a0, a1 = vfma(s, v0, a0), vfma(s, v1, a1)
-        s = vbroadcast(a, p + 1)
-        b0, b1 = vfma(s, v0, b0), vfma(s, v1, b1)
-        s = vbroadcast(a, p + 2)
-        c0, c1 = vfma(s, v0, c0), vfma(s, v1, c1)
-        s = vbroadcast(a, p + 3)
-        d0, d1 = vfma(s, v0, d0), vfma(s, v1, d1)
-        s = vbroadcast(a, p + 4)
-        e0, e1 = vfma(s, v0, e0), vfma(s, v1, e1)
-        s = vbroadcast(a, p + 5)
-        f0, f1 = vfma(s, v0, f0), vfma(s, v1, f1)
-    o = c * bw + x0
-    _add_two(acc, o, a0, a1)
-    _add_two(acc, o + bw, b0, b1)
-    _add_two(acc, o + 2 * bw, c0, c1)
-    _add_two(acc, o + 3 * bw, d0, d1)
-    _add_two(acc, o + 4 * bw, e0, e1)
-    _add_two(acc, o + 5 * bw, f0, f1)
-
-
-@jit
-def _tn_micro6w(a, c, b_rows, x0, acc, row0, row1):
-    """Six columns of `a` x four vectors in 24 registers. Same sums, in the same order, as
-    `_tn_micro6`."""
-    n = lanes(acc)
-    bw, aw = acc.shape[1], a.shape[1]
-    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = vzeros(acc)
-    d0 = d1 = d2 = d3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vzeros(acc)
-    for r in range(row0, row1):
-        row = r * bw + x0
-        v0, v1 = vload(b_rows, row), vload(b_rows, row + n)
-        v2, v3 = vload(b_rows, row + 2 * n), vload(b_rows, row + 3 * n)
-        p = r * aw + c
-        s = vbroadcast(a, p)
-        a0, a1, a2, a3 = vfma(s, v0, a0), vfma(s, v1, a1), vfma(s, v2, a2), vfma(s, v3, a3)
-        s = vbroadcast(a, p + 1)
-        b0, b1, b2, b3 = vfma(s, v0, b0), vfma(s, v1, b1), vfma(s, v2, b2), vfma(s, v3, b3)
-        s = vbroadcast(a, p + 2)
-        c0, c1, c2, c3 = vfma(s, v0, c0), vfma(s, v1, c1), vfma(s, v2, c2), vfma(s, v3, c3)
-        s = vbroadcast(a, p + 3)
-        d0, d1, d2, d3 = vfma(s, v0, d0), vfma(s, v1, d1), vfma(s, v2, d2), vfma(s, v3, d3)
-        s = vbroadcast(a, p + 4)
-        e0, e1, e2, e3 = vfma(s, v0, e0), vfma(s, v1, e1), vfma(s, v2, e2), vfma(s, v3, e3)
-        s = vbroadcast(a, p + 5)
-        f0, f1, f2, f3 = vfma(s, v0, f0), vfma(s, v1, f1), vfma(s, v2, f2), vfma(s, v3, f3)
-    o = c * bw + x0
-    for col, t0, t1, t2, t3 in ((0, a0, a1, a2, a3), (1, b0, b1, b2, b3), (2, c0, c1, c2, c3),
-                                (3, d0, d1, d2, d3), (4, e0, e1, e2, e3), (5, f0, f1, f2, f3)):
-        _add_two(acc, o + col * bw, t0, t1)
-        _add_two(acc, o + col * bw + 2 * n, t2, t3)
-
-
-@jit
-def _tn_micro1(a, c, b_rows, x0, acc, row0, row1):
-    """One column of `a` x two vectors: the remainder columns of a tile."""
-    n = lanes(acc)
-    bw, aw = acc.shape[1], a.shape[1]
-    a0 = a1 = vzeros(acc)
-    for r in range(row0, row1):
-        s = vbroadcast(a, r * aw + c)
-        a0 = vfma(s, vload(b_rows, r * bw + x0), a0)
-        a1 = vfma(s, vload(b_rows, r * bw + x0 + n), a1)
-    _add_two(acc, c * bw + x0, a0, a1)
-
-
-@jit
-def _add_two(acc, o, t0, t1):
-    """acc[o : o + 2 vectors] += (t0, t1): a tile's sum joins the running sum once."""
-    n = lanes(acc)
-    vstore(acc, o, vadd(vload(acc, o), t0))
-    vstore(acc, o + n, vadd(vload(acc, o + n), t1))
+                tn_micro(a, c, b_rows, x0 + w, acc, row0, row1, 1, 1)
 
 
 @jit
