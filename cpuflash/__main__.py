@@ -179,24 +179,27 @@ def _bench(arguments):
 
 
 WARMUP_DTYPES = ("float32", "float64", "float16", "bfloat16")
-# the formats of an 8-bit KV cache (`cpuflash.quantize_kv`): one decode kernel each, whatever
-# the dtype of the queries
-WARMUP_CACHE_FORMATS = ("int8", "float8_e4m3")
+# the formats of a quantized KV cache (`cpuflash.quantize_kv`): one decode kernel each, whatever
+# the dtype of the queries (int4 has one kernel for every modifier)
+WARMUP_CACHE_FORMATS = ("int8", "float8_e4m3", "int4")
 
 
 def _warmup_calls(name):
     """(what, call) for each kernel that `name` needs: a dtype's attention, backward and
-    decoding, or an 8-bit cache format's decoding."""
+    decoding, or a quantized cache format's decoding."""
     import numpy as np
 
     import cpuflash
 
     if name in WARMUP_CACHE_FORMATS:
         q = np.zeros((1, 1, 1, 8), np.float32)
-        cache = cpuflash.quantize_kv(np.zeros((1, 1, 4, 8), np.float32), name)
-        return [("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(q, cache, cache)),
-                ("decoding modified",
-                 lambda: cpuflash.attention_with_kvcache(q, cache, cache, softcap=30.0))]
+        extra = {"group_size": 8} if name == "int4" else {}
+        cache = cpuflash.quantize_kv(np.zeros((1, 1, 4, 8), np.float32), name, **extra)
+        calls = [("KV-cache decoding", lambda: cpuflash.attention_with_kvcache(q, cache, cache))]
+        if name != "int4":
+            calls.append(("decoding modified",
+                          lambda: cpuflash.attention_with_kvcache(q, cache, cache, softcap=30.0)))
+        return calls
     try:
         dtype = np.dtype(name)
     except TypeError:
@@ -306,14 +309,15 @@ def build_parser():
     warmup = commands.add_parser(
         "warmup", help="compile and cache the kernels ahead of the first call",
         description="Compile the attention, attention backward and KV-cache decoding kernels "
-                    "for the given dtypes, and the decoding kernels of 8-bit KV caches "
-                    "(int8, float8_e4m3), or load them from the cache, so that the first call "
+                    "for the given dtypes, and the decoding kernels of quantized KV caches "
+                    "(int8, float8_e4m3, int4), or load them from the cache, so that the first call "
                     "of a later process does not wait for Numba, e.g. in a container build "
                     "step. Prints what it compiled and where the cache is.")
     warmup.add_argument("--dtype", nargs="+", type=_dtype_name, default=["float32"],
                         metavar="DTYPE",
                         help=f"{', '.join(WARMUP_DTYPES)}; {', '.join(WARMUP_CACHE_FORMATS)} "
-                             "(the decoding kernel of an 8-bit KV cache, cpuflash.quantize_kv); "
+                             "(the decoding kernel of a quantized KV cache, "
+                             "cpuflash.quantize_kv); "
                              "or all (default: float32; bfloat16 and float8_e4m3 need "
                              "ml_dtypes)")
     warmup.set_defaults(handler=_warmup)

@@ -116,7 +116,7 @@ def test_warmup_names_the_dtypes_it_knows(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cpuflash", "warmup", "--dtype", "int16"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "expected one of float32" in done.stderr, explain(done)
-    assert "int8, float8_e4m3 or all" in done.stderr, explain(done)
+    assert "int8, float8_e4m3, int4 or all" in done.stderr, explain(done)
 
 
 @pytest.mark.slow
