@@ -380,9 +380,13 @@ def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst):
     n = _layout.lanes(dst)
     vectors = size % n == 0 and contiguous_rows(cache)
     stride = dst.shape[1]
+    index, row = start // page_size, start % page_size  # (a division a row cost a tenth)
     for c in range(cols):
-        page = block_table[b, (start + c) // page_size]
-        row = (start + c) % page_size
+        if c and row == page_size - 1:
+            index, row = index + 1, 0
+        elif c:
+            row += 1
+        page = block_table[b, index]
         if vectors:
             o = row_offset(cache, page, h, row)
             for g in range(n_groups):
