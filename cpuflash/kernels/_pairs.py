@@ -18,8 +18,9 @@ The float32 tiles of `_steps` hold the scores and the accumulator as before, so 
 modifiers, the softmax and the last step are shared. Each step here is a no-op for buffers that
 are not uint16: the kernels are compiled for every dtype with these calls in a branch that only
 bfloat16 on a CPU with AVX512-BF16 (or AMX tiles) takes (`pair_buffers` gives the other dtypes
-empty float buffers, so nothing new is compiled for them). On AMX tiles, ``Q K^T`` and ``P V``
-are `_tiles`' steps on these layouts.
+empty float buffers, so nothing new is compiled for them). ``Q K^T`` on these layouts is
+`_products.qk_tile` itself (`_micro`'s kernels take either layout). On AMX tiles, ``Q K^T`` and
+``P V`` are `_tiles`' steps on these layouts.
 """
 
 import math
@@ -34,8 +35,8 @@ from .._simd import vadd, vhsum, vload, vload_bf16, vload_bits, vload_rows, vloa
     vmul, vsplat, vstore, vstore_bits, vstore_interleaved, vstore_pairs, vsub, vtranspose, vzeros
 from . import _tiles
 from ._convert import BFLOAT16, narrow, row_offset, vector_rows, widen
-from ._layout import ROUNDS_P, ROWS, _sees, aligned_zeros, kept_count, round_up
-from ._micro import pv_micro, qk_micro
+from ._layout import ROUNDS_P, ROWS, aligned_zeros, kept_count, round_up
+from ._micro import pv_micro
 # Whether bfloat16 tiles are packed as pairs: for `vdpbf16ps` where it pays, or for AMX tiles
 # (`_tiles`), which read the same layouts, padded: the head dims to whole tiles (`DIMS` pairs),
 # and the operands of `pv_tile_pairs` with room for a step past the last key (`PAST`).
@@ -337,31 +338,6 @@ def _finite_pairs(v_pairs, first, end, like):
             total = vadd(total, vsub(x, x))
         return vhsum(total) == 0
     return finite
-
-
-# -- Q K^T
-
-@jit
-def qk_tile_pairs(q_pairs, k_pairs, scores, rows, cols, mult, lo_off, hi_off):
-    """`_products.qk_tile` on pairs: scores[:rows, :cols] = mult * (Q @ K^T), the same panels and
-    row groups, two panels at a time (the CPUs with AVX512-BF16 have 32 vector registers)."""
-    w = k_pairs.shape[2] // 2
-    panels = (cols + w - 1) // w
-    full = rows - rows % ROWS
-    for panel in range(0, panels, 2):
-        pair = panel + 1 < panels
-        for r in range(0, full, ROWS):
-            first = _sees(panel, w, r, ROWS, lo_off, hi_off)
-            second = pair and _sees(panel + 1, w, r, ROWS, lo_off, hi_off)
-            if first and second:
-                qk_micro(q_pairs, r, k_pairs, panel, scores, mult, ROWS, 2)
-            elif first or second:
-                qk_micro(q_pairs, r, k_pairs, panel if first else panel + 1, scores, mult,
-                         ROWS, 1)
-        for r in range(full, rows):
-            for p in range(panel, panel + 2 if pair else panel + 1):
-                if _sees(p, w, r, 1, lo_off, hi_off):
-                    qk_micro(q_pairs, r, k_pairs, p, scores, mult, 1, 1)
 
 
 # -- P V

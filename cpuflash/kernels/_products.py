@@ -35,8 +35,7 @@ from .._simd import vadd, vexp2, vexp2_half, vhmax, vhsum, vload, vmax, vmul, vs
 from ._convert import like_dtype, load_block, load_widened, narrow, row_offset, store_narrowed, \
     vector_rows, widen
 from ._layout import ROUNDS_P, ROWS, WIDE, _sees, lanes, round_up, row_span
-from ._micro import pv_micro, qk_micro, tn_micro
-from ._pairs import qk_tile_pairs
+from ._micro import per_term, pv_micro, qk_micro, tn_micro
 from ._tiles import qk_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
@@ -116,6 +115,9 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
     them all): panels that no row of a row group can see are skipped (on a band's edge, one of a
     pair of panels is computed alone), and their scores are left for the band mask to
     overwrite.
+
+    Float tiles, or bfloat16 pairs (uint16: `_pairs`' ``q_pairs`` and ``k_pairs``), which run
+    where the CPU has AVX512-BF16, so two panels at a time.
     """
     qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, 0, cols)
 
@@ -124,7 +126,7 @@ def qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
 def qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, c_lo, c_hi):
     """`qk_tile` on the panels that hold columns c_lo .. c_hi - 1 only (the others' scores are
     left for a mask to overwrite: no row sees them)."""
-    w = k_panels.shape[2]
+    w = k_panels.shape[2] // per_term(k_panels)  # columns of a panel
     panels = (c_hi + w - 1) // w
     full = rows - rows % ROWS
     # (loops over ranges: a counter that starts as the constant 0 would first be typed as that
@@ -146,22 +148,20 @@ def qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, c_lo,
 
 
 def any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-    """`qk_tile`, or for tiles of bfloat16 pairs (uint16: `_pairs`) `_pairs.qk_tile_pairs`, or
-    on AMX tiles `_tiles.qk_tiles`."""
+    """`qk_tile` (of float tiles or bfloat16 pairs), or for pairs on AMX tiles
+    `_tiles.qk_tiles`."""
 
 
 @overload(any_qk_tile, jit_options=HELPER_OPTIONS)
 def _any_qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-    if k_panels.dtype == types.uint16:
-        step = qk_tiles if _amx.TILES is not None else qk_tile_pairs
+    if k_panels.dtype == types.uint16 and _amx.TILES is not None:
+        def tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+            qk_tiles(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
+        return tiles
 
-        def pairs(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-            step(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
-        return pairs
-
-    def floats(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
-        qk_tile(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off)
-    return floats
+    def products(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off):
+        qk_columns(q_tile, k_panels, scores, rows, cols, mult, lo_off, hi_off, 0, cols)
+    return products
 
 
 @jit
