@@ -709,16 +709,18 @@ def test_quantized_cache_attends_as_its_dequantized_rows(kind, fmt, rotate, monk
 
 
 @needs_mask_registry
-def test_quantized_cache_with_padding_attends_to_a_dequantized_copy():
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_cache_with_padding_attends_to_a_dequantized_copy(fmt):
     model = small_model("llama")
     use(model, NAME)
     ids, attention_mask = left_padded_batch()
+    extra = {"group_size": 4} if fmt == "int4" else {}
     with torch.inference_mode():
         key = cache_keyword(model)
         expected = model(input_ids=ids, attention_mask=attention_mask,
-                         **{key: dequantized_cache(model, "int8")}).logits
+                         **{key: dequantized_cache(model, fmt, **extra)}).logits
         got = model(input_ids=ids, attention_mask=attention_mask,
-                    **{key: cft.QuantizedKVCache(model.config)}).logits
+                    **{key: cft.QuantizedKVCache(model.config, fmt, **extra)}).logits
     real = attention_mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
 
