@@ -1,7 +1,7 @@
 """Attention over listed keys (`key_indices`, DeepSeek V3.2's top-k sparse attention).
 
 Each query row of each kv head attends to the key positions listed for it, AND the call's other
-rules (causal, window, chunk). The listed keys of one (batch entry, kv head, query row) are
+rules (causal, window, chunk, and a KV-cache call's mask_mod, evaluated on the listed keys). The listed keys of one (batch entry, kv head, query row) are
 gathered, the visible ones first and in position order, into key rows of their own; the heads
 of the group at that query row are the query rows of one FA-2 tile over them, as
 `_run.forward_folded` folds a decoding step's heads. The work and the memory grow with the
@@ -16,6 +16,7 @@ the bits do not depend on the thread count.
 
 import dataclasses
 
+import numba
 import numpy as np
 
 from . import (_call, _kvcache, _quantize, _run, _run_backward, _schedule, _threads,
@@ -143,14 +144,53 @@ def attention(call, key_indices):
     forward(call, call.k, call.v, key_indices, n_keys, table, max(call.n_k, 1))
 
 
-def kvcache(call, key_indices):
+def kvcache(call, key_indices, mask=None):
     """`cpuflash.attention_with_kvcache` with `key_indices` (checked): the new keys written,
-    then each entry's first ``n_keys[b]`` cache positions listable."""
+    then each entry's first ``n_keys[b]`` cache positions listable. `mask`: (jitted
+    mask_mod, its args) or None; the listed keys it hides are taken off the lists."""
     k, v = _kvcache.write_new_keys(call)
     scales = (None, None)
     if call.quantized is not None:  # gathered as the caller's dtypes (float8 is no uint8)
         k, v, scales = call.k_cache, call.v_cache, (call.k_scale, call.v_scale)
-    forward(call, k, v, key_indices, call.n_keys, call.block_table, call.page_rows, scales)
+    pages = (call.n_keys, call.block_table, call.page_rows, scales)
+    if mask is None:
+        forward(call, k, v, key_indices, *pages)
+        return
+    group = call.n_heads // call.n_kv_heads
+    kept = np.empty((call.batch, call.n_heads) + key_indices.shape[2:], dtype=np.bool_)
+    _masked(mask[0], mask[1], key_indices, call.n_keys, group, kept)
+    by_head = kept.reshape((call.batch, call.n_kv_heads, group) + kept.shape[2:])
+    if np.all(by_head == by_head[:, :, :1]):  # the group's heads keep the same keys
+        forward(call, k, v, np.where(by_head[:, :, 0], key_indices, -1), *pages)
+        return
+    # else one head of each group at a time, each with its own lists: the same kernels,
+    # group times the launches
+    for g in range(group):
+        heads = slice(g, None, group)
+        part = dataclasses.replace(
+            call, q=call.q[:, heads], n_heads=call.n_kv_heads, out_bhsd=call.out_bhsd[:, heads],
+            out_user=call.out_bhsd[:, heads], sinks=call.sinks[heads] if call.sinks.size
+            else call.sinks, lse_shape=call.lse[:, heads].shape)
+        forward(part, k, v, np.where(by_head[:, :, g], key_indices, -1), *pages)
+        call.lse[:, heads] = part.lse
+
+
+@numba.njit(cache=False)
+def _masked(mask_mod, mask_args, keys, n_keys, group, kept):
+    """kept[b, h, i, s]: whether query row i of head h keeps its listed key s (b, the head's kv
+    head), by ``mask_mod(b, h, q_idx, kv_idx, *mask_args)`` with the query's position in its
+    sequence (bottom-right aligned) as a KV-cache call's kernels give it; unused slots are
+    not kept."""
+    n_q = keys.shape[2]
+    for b in range(keys.shape[0]):
+        for hk in range(keys.shape[1]):
+            for i in range(n_q):
+                position = n_keys[b] - n_q + i
+                for g in range(group):
+                    h = hk * group + g
+                    for s in range(keys.shape[3]):
+                        j = keys[b, hk, i, s]
+                        kept[b, h, i, s] = j >= 0 and mask_mod(b, h, position, j, *mask_args)
 
 
 def backward(call, grads, key_indices):

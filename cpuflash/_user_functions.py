@@ -274,6 +274,22 @@ def args_value(name, args):
     return tuple(values)
 
 
+def mask_function(mask_mod, mask_args, score_args=()):
+    """(jitted mask_mod, its args) of a call that evaluates its mask outside the kernels
+    (listed keys, `_sparse`), checked as a kernel's mask is; None without one."""
+    mask_args = args_value("mask_args", mask_args)
+    if args_value("score_args", score_args):
+        _fail(ValueError, "`score_args` given without a `score_mod`")
+    if mask_mod is None:
+        if mask_args:
+            _fail(ValueError, "`mask_args` given without a `mask_mod`")
+        return None
+    _, jitted = user_function("mask_mod", mask_mod)
+    check_compiles("mask_mod", mask_mod, jitted,
+                   (types.int64,) * 4 + tuple(numba.typeof(x) for x in mask_args), "bool")
+    return jitted, mask_args
+
+
 def functions_of(score_mod, mask_mod, score_args, mask_args, compute):
     """`_user.UserFunctions` of the call, registered for the kernels' compile, after checking
     that the functions compile for the call's argument types."""

@@ -624,7 +624,8 @@ def key_indices_value(key_indices, call, n_keys, others):
     for name, value in others.items():
         if value is not None and value is not False:
             _fail(ValueError, f"`key_indices` cannot be combined with `{name}`: listed keys "
-                              f"take causal, window, chunk_size, softcap and sinks only")
+                              f"take causal, window, chunk_size, softcap, sinks and (in "
+                              f"attention_with_kvcache) mask_mod only")
     keys = int_array("key_indices", key_indices)
     batch, n_kv, n_q = call.batch, call.n_kv_heads, call.n_q
     if keys.ndim == 3 and keys.shape[:2] == (batch, n_q):

@@ -201,7 +201,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         `value_dim` columns. With numpy caches, ``v_cache=k_cache[..., :Dv]`` is the same.
     key_indices : (B, Nq, topk) or (B, Hk, Nq, topk) int array, optional
         As in `attention`, in cache positions after the write (``0 .. cache_seqlens[b] + Nnew
-        - 1``): only the listed keys are read, from contiguous or paged, float or 8-bit caches.
+        - 1``): only the listed keys are read, from contiguous or paged, float or quantized
+        caches. With a `mask_mod`, a row sees the listed keys its mask keeps (evaluated for
+        the listed keys only; where the heads of a group keep different keys, they run one
+        head of each group at a time). `score_mod` and ALiBi are refused with it.
 
     Returns
     -------
@@ -247,9 +250,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         return_lse=return_lse, value_dim=value_dim)
     if key_indices is not None:
         listed = _validate.key_indices_value(
-            key_indices, call, call.n_keys, dict(alibi_slopes=alibi_slopes, score_mod=score_mod,
-                                                 mask_mod=mask_mod))
-        _sparse.kvcache(call, listed)
+            key_indices, call, call.n_keys, dict(alibi_slopes=alibi_slopes, score_mod=score_mod))
+        mask = _user_functions.mask_function(mask_mod, mask_args, score_args)
+        _sparse.kvcache(call, listed, mask)
         return call.result(return_lse)
     if own:
         call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,

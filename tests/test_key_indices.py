@@ -168,3 +168,44 @@ def test_combinations_not_taken(rng):
     with pytest.raises(ValueError, match="cannot be combined with `alibi_slopes`"):
         cpuflash.attention(q, k, v, key_indices=keys,
                            alibi_slopes=np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="cannot be combined with `score_mod`"):
+        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys,
+                                        score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(ValueError, match="`mask_args` given without a `mask_mod`"):
+        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys, mask_args=(1,))
+    with pytest.raises(TypeError, match="`mask_mod` .* must return a bool"):
+        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys,
+                                        mask_mod=lambda b, h, i, j: 1.5)
+
+
+def _every_third_by_head(b, h, q_idx, kv_idx):
+    return (kv_idx + h) % 3 != 0
+
+
+def _below(b, h, q_idx, kv_idx, limit):
+    return kv_idx < limit[b]
+
+
+@pytest.mark.parametrize("mask_mod,by_head", [(_every_third_by_head, True), (_below, False)])
+def test_mask_mod_hides_listed_keys(rng, mask_mod, by_head):
+    """A KV-cache call's mask_mod AND its lists (and causal): heads of a group that keep other
+    keys (one head of each group at a time), or the same ones (folded), with sinks; the mask
+    sees the queries' cache positions."""
+    batch, hq, hk, n_q, n_k = 2, 6, 2, 3, 80
+    q = rng.standard_normal((batch, hq, n_q, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, hk, n_k, 32)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([50, 80])
+    keys = listing(rng, batch, hk, n_q, 50, 30)
+    sinks = rng.standard_normal(hq).astype(np.float32)
+    limit = np.array([40, 20], np.int64)
+    args = () if by_head else (limit,)
+    out, lse = cpuflash.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True,
+                                               key_indices=keys, mask_mod=mask_mod,
+                                               mask_args=args, sinks=sinks, return_lse=True)
+    for b in range(batch):
+        n = seqlens[b]
+        mask = as_mask(keys[b:b + 1], hq, n)[0]
+        for h, i, j in np.ndindex(hq, n_q, n):
+            mask[h, i, j] &= bool(mask_mod(b, h, n - n_q + i, j, *args))
+        assert_close_to_reference(out[b], q[b], k[b, :, :n], v[b, :, :n], causal=True,
+                                  mask=mask, sinks=sinks)
