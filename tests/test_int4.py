@@ -10,8 +10,7 @@ import cpuflash
 from cpuflash import QuantizedKV, dequantize_kv, quantize_kv
 from cpuflash._simd import LANES_F32, vload_i4, vstore
 
-from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided,
-                     to_pages)
+from helpers import assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided
 
 
 def int4(x, group_size=32, rotate=False):
@@ -167,72 +166,6 @@ def test_modifiers_groups_and_head_dims(rng, d, d_v, group_size, hq, hk):
     slopes = kwargs.pop("alibi_slopes")
     check_kvcache(out, lse, q, dequantize_kv(kc), dequantize_kv(vc), seqlens, causal=True,
                   alibi_slopes=slopes, **kwargs)
-
-
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-@pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
-def test_paged_layouts_and_chunked_prefill(rng, layout, n_q):
-    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
-                                                    d_v=32, seqlens=[5, 200, 280 - n_q])
-    table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)  # shuffled pages of 16
-    kc, vc = (int4(to_pages(c, 16, table)) for c in (k_cache, v_cache))
-    flat_k, flat_v = int4(k_cache), int4(v_cache)
-    kwargs = dict(window=(70, -1), softcap=10.0)
-    if layout == "bshd":
-        def swap(x):
-            return np.ascontiguousarray(np.swapaxes(x, 1, 2))
-        args = (swap(q), *(QuantizedKV(swap(c.data), swap(c.scale)) for c in (kc, vc)))
-        new = dict(k=swap(k), v=swap(v))
-    else:
-        args, new = (q, kc, vc), dict(k=k, v=v)
-    out, lse = cpuflash.attention_with_kvcache(*args, **new, cache_seqlens=seqlens,
-                                               block_table=table, layout=layout, num_splits=3,
-                                               return_lse=True, **kwargs)
-    if layout == "bshd":
-        out = np.swapaxes(out, 1, 2)
-        pages = [QuantizedKV(np.swapaxes(c.data, 1, 2), np.swapaxes(c.scale, 1, 2))
-                 for c in args[1:]]
-    else:
-        pages = [kc, vc]
-    for b in range(3):  # the new keys landed, quantized, in the right pages
-        for i in range(n_q):
-            pos = seqlens[b] + i
-            at = (table[b, pos // 16], slice(None), pos % 16)
-            np.testing.assert_array_equal(dequantize_kv(pages[0])[at],
-                                          dequantize_kv(int4(k[b, :, i])))
-    references = [written(c, new_rows, seqlens) for c, new_rows in ((flat_k, k), (flat_v, v))]
-    check_kvcache(out, lse, q, *references, seqlens + n_q, causal=True, **kwargs)
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_half_precision_queries(rng, dtype):
-    dtype = low_precision_dtype(dtype)
-    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, d=64, d_v=64)
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
-    kc, vc = int4(k_cache), int4(v_cache)
-    out = cpuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens)
-    assert out.dtype == dtype
-    expected = cpuflash.attention_with_kvcache(q.astype(np.float32), dequantize_kv(kc),
-                                               dequantize_kv(vc), cache_seqlens=seqlens + 1)
-    np.testing.assert_allclose(out.astype(np.float32), expected, rtol=2 * np.finfo(
-        np.float16).eps if dtype == np.float16 else 2 ** -7, atol=1e-6)
-
-
-def test_results_do_not_depend_on_the_thread_count(rng):
-    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=5, n_max=700, d=64, d_v=64,
-                                                    seqlens=[700, 0, 350, 1, 697])
-    kc, vc = int4(k_cache), int4(v_cache)
-    kwargs = dict(window=(300, 0), softcap=20.0, num_splits=2, return_lse=True)
-    before = numba.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            numba.set_num_threads(threads)
-            results.append(cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
-                                                           **kwargs))
-    finally:
-        numba.set_num_threads(before)
-    assert_same_bits(results[1], results[0], "2 threads against 1")
 
 
 def test_nonfinite_groups_reach_only_the_rows_that_see_them(rng):

@@ -37,11 +37,16 @@ def quantized(rng, fmt, shape, spread=True):
     return quantize_kv(x, fmt)
 
 
+def quantize(x, fmt):
+    """`quantize_kv` in `fmt`; int4 in groups of 16 (they divide every head dim used here)."""
+    return quantize_kv(x, fmt, group_size=16) if fmt == "int4" else quantize_kv(x, fmt)
+
+
 def written(kq, new, seqlens, fmt):
     """The dequantized (B, Hk, Nmax, D) cache with the rows `new` written at `seqlens`, as
     attention_with_kvcache writes them (quantized)."""
     cache = dequantize_kv(kq)
-    new = dequantize_kv(quantize_kv(new, fmt))
+    new = dequantize_kv(quantize(new, fmt))
     for b, s in enumerate(seqlens):
         cache[b, :, s:s + new.shape[2]] = new[b]
     return cache
@@ -227,18 +232,18 @@ def test_modifiers_gqa_and_head_dims(rng, fmt, d, d_v, hq, hk):
                   alibi_slopes=slopes, **kwargs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
 def test_paged_layouts_and_chunked_prefill(rng, fmt, layout, n_q):
     """Pages shuffled across the batch, new keys written into them, in both layouts; 40 query
-    rows (chunked prefill) stay in the decode kernel, which reads the 8-bit rows in place."""
+    rows (chunked prefill) stay in the decode kernel, which reads the rows in place."""
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
                                                     seqlens=[5, 200, 280 - n_q])
     table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)  # shuffled pages of 16
-    kc, vc = (quantize_kv(to_pages(c, 16, table), fmt) for c in (k_cache, v_cache))
-    flat_k = quantize_kv(k_cache, fmt)  # the same rows, unpaged, for the reference
-    flat_v = quantize_kv(v_cache, fmt)
+    kc, vc = (quantize(to_pages(c, 16, table), fmt) for c in (k_cache, v_cache))
+    flat_k = quantize(k_cache, fmt)  # the same rows, unpaged, for the reference
+    flat_v = quantize(v_cache, fmt)
     kwargs = dict(window=(70, -1), softcap=10.0)
     if layout == "bshd":
         args = (bshd(q), *(QuantizedKV(bshd(c.data), np.ascontiguousarray(
@@ -260,19 +265,19 @@ def test_paged_layouts_and_chunked_prefill(rng, fmt, layout, n_q):
             pos = seqlens[b] + i
             at = (table[b, pos // 16], slice(None), pos % 16)
             np.testing.assert_array_equal(dequantize_kv(pages[0])[at],
-                                          dequantize_kv(quantize_kv(k[b, :, i], fmt)))
+                                          dequantize_kv(quantize(k[b, :, i], fmt)))
     references = [written(c, new_rows, seqlens, fmt) for c, new_rows in ((flat_k, k),
                                                                           (flat_v, v))]
     check_kvcache(out, lse, q, *references, seqlens + n_q, causal=True, **kwargs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_queries(rng, fmt, dtype):
     dtype = low_precision_dtype(dtype)
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, d=64, d_v=64)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    kc, vc = quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt)
+    kc, vc = quantize(k_cache, fmt), quantize(v_cache, fmt)
     out = cpuflash.attention_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens)
     assert out.dtype == dtype
     expected = cpuflash.attention_with_kvcache(q.astype(np.float32), dequantize_kv(kc),
@@ -282,11 +287,11 @@ def test_half_precision_queries(rng, fmt, dtype):
         np.float16).eps if dtype == np.float16 else 2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
 def test_results_do_not_depend_on_the_thread_count(rng, fmt):
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=5, n_max=700, d=64, d_v=64,
                                                     seqlens=[700, 0, 350, 1, 697])
-    kc, vc = quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt)
+    kc, vc = quantize(k_cache, fmt), quantize(v_cache, fmt)
     kwargs = dict(window=(300, 0), softcap=20.0, num_splits=2, return_lse=True)
     before = numba.get_num_threads()
     try:
