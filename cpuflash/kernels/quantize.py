@@ -1,4 +1,5 @@
-"""Rows of float32 numbers to int8 with a scale per row, compiled (`_quantize.quantize_rows`).
+"""Rows of float32 numbers to int8 with a scale per row, compiled (`_quantize.quantize_rows`;
+an int4 cache's groups are such rows, with a limit of 7).
 
 A decoding step quantizes one token's keys and values, a few rows: numpy's dozen small
 operations were most of the cost of a cache layer's update in transformers (measured:
