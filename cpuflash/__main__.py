@@ -10,8 +10,9 @@ Usage
     process; print a markdown table and write ``bench.json``, ``bench.md`` and ``bench.png``
     to ``DIR``. Needs a source checkout: the runner is the repository's ``bench/runner.py``.
 ``python -m cpuflash warmup [--dtype DTYPE ...]``
-    Compile and cache the kernels (forward, backward, decoding; the decoding of 8-bit KV caches
-    with ``--dtype int8`` or ``float8_e4m3``) ahead of the first call; print what and where.
+    Compile and cache the kernels (forward, backward, decoding; the decoding of quantized KV
+    caches with ``--dtype int8``, ``float8_e4m3`` or ``int4``) ahead of the first call; print
+    what and where.
 """
 
 import argparse
@@ -224,7 +225,7 @@ def _warmup_calls(name):
 
 def _warmup(arguments):
     """Compile (or load from the cache) the attention, backward and decoding kernels of each
-    dtype, and the decoding kernel of each 8-bit cache format."""
+    dtype, and the decoding kernel of each quantized cache format."""
     import time
 
     import numpy as np
@@ -239,7 +240,7 @@ def _warmup(arguments):
             print(f"{name:9s} {what:18s} ready in {time.perf_counter() - start:5.1f} s",
                   flush=True)
     # the merge of a decoding call's key splits runs in the compute dtype: float64 for float64,
-    # float32 for the others (8-bit caches included)
+    # float32 for the others (quantized caches included)
     from cpuflash import _combine
 
     merges = {"float64" if name == "float64" else "float32": None for name in dtypes}

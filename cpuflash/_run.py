@@ -74,7 +74,7 @@ def kvcache(call, layout, key, return_lse):
         call.lse[...] = -np.inf
         return call.result(return_lse)
     group = call.n_heads // call.n_kv_heads
-    # (a quantized cache always takes the decode kernel, which reads its 8-bit rows in place:
+    # (a quantized cache always takes the decode kernel, which reads its rows in place:
     # the FA-2 kernel would need a float copy)
     if (group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None
             or (call.n_q <= tiling.DECODE_MAX_QUERIES and not foldable(call))):
@@ -376,7 +376,7 @@ def decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k=None, new_v=No
     """A call whose key found `setup`: only the checks that can fail for the same key (values,
     alignment, a writable cache), then the new keys written in and the kernel. None when a
     check fails: the full path then raises the error. `k`, `v`: the cache arrays (a quantized
-    cache's 8-bit data, its (k, v) scales in `scales`)."""
+    cache's data, its (k, v) scales in `scales`)."""
     arrays = (k, v) if scales is None else (k, v) + tuple(scales)
     if not (q.flags.aligned and k.flags.aligned and v.flags.aligned
             and (scales is None or all(x.flags.aligned for x in scales))):

@@ -89,7 +89,7 @@ class _Gathered:
         else:
             v_rows = _gather(v, scales[1], block_table, page_rows, b, hk, listed)
         q_rows = call.q[b[:, None], heads, i[:, None]]  # (S, group, D), as the kernels read q
-        if k_rows.dtype != q_rows.dtype:  # an 8-bit cache, read as float32: q too
+        if k_rows.dtype != q_rows.dtype:  # a quantized cache, read as float32: q too
             q_rows = q_rows.view(call.dtype).astype(np.float32)
         self.q, self.k, self.v = (x[:, None] for x in (q_rows, k_rows, v_rows))
         self.seqs = _schedule.sequence_table(group, 0, len(b))  # one sequence a row
@@ -115,7 +115,7 @@ def _gathered_call(call, gathered, out, lse, kernel_dtype):
 def forward(call, k, v, key_indices, n_keys, block_table, page_rows, scales=(None, None)):
     """Write the output and lse of `call` (validated; its key_indices (B, Hk, Nq, topk) int64
     checked) over the caches `k`, `v` as the kernels read them (pages of `page_rows` rows,
-    `block_table`; 8-bit with `scales`), each entry's first `n_keys[b]` keys listable."""
+    `block_table`; quantized with `scales`), each entry's first `n_keys[b]` keys listable."""
     keys, counts = listed_keys(call, key_indices, n_keys)
     kernel_dtype = np.dtype(np.float32) if scales[0] is not None else call.dtype
     for rows in _blocks(call, keys.shape[-1], call.compute_dtype):

@@ -585,7 +585,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
     # once the new keys are in (the view of an unaligned cache is a copy)
     if quantized is None:
         return AttentionCall(q=kernel_view(q4), k=kc4, v=vc4, **fields)
-    # the kernel reads the 8-bit rows in place, widening them itself, and float32 queries (a
+    # the kernel reads the quantized rows in place, widening them itself, and float32 queries (a
     # copy of the few query rows: one kernel per cache format, whatever the dtype of q)
     k_scale, v_scale = (np.swapaxes(x, 1, 2) if layout == "bshd" else x
                         for x in (k_scale, v_scale))
@@ -612,8 +612,8 @@ def _numbers(data, quantized):
 
 
 def bits_view(data):
-    """An 8-bit cache as the kernels read it: int8 as it is, float8_e4m3fn as its uint8 bits
-    (Numba has no float8)."""
+    """A quantized cache as the kernels read it: int8 and int4 pairs as they are,
+    float8_e4m3fn as its uint8 bits (Numba has no float8)."""
     return data if data.dtype == np.int8 else data.view(np.uint8)
 
 
@@ -692,14 +692,14 @@ def quantized_pair(k_cache, v_cache):
     if k_quantized != v_quantized:
         kinds = ["a QuantizedKV" if quantized else f"a {type(cache).__name__}"
                  for quantized, cache in ((k_quantized, k_cache), (v_quantized, v_cache))]
-        _fail(TypeError, f"`k_cache` and `v_cache` must both be QuantizedKV (the same 8-bit "
+        _fail(TypeError, f"`k_cache` and `v_cache` must both be QuantizedKV (the same "
                          f"format) or both float arrays, got `k_cache` {kinds[0]} and "
                          f"`v_cache` {kinds[1]}")
     k_data, k_scale, k_name = quantized_value("k_cache", k_cache)
     v_data, v_scale, v_name = quantized_value("v_cache", v_cache)
     if k_name != v_name:
-        _fail(TypeError, f"`k_cache` and `v_cache` must share one 8-bit format, got "
-                         f"{k_data.dtype} and {v_data.dtype}")
+        _fail(TypeError, f"`k_cache` and `v_cache` must share one format, got {k_name} "
+                         f"({k_data.dtype}) and {v_name} ({v_data.dtype})")
     if bool(k_cache.rotated) != bool(v_cache.rotated):
         _fail(ValueError, f"`k_cache` and `v_cache` must both be rotated or neither, got "
                           f"rotated={bool(k_cache.rotated)} and {bool(v_cache.rotated)}")

@@ -196,7 +196,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         decoding. They are compiled into the split-KV decoding kernel as into the forward's.
     value_dim : int, optional
         Values inside the keys (DeepSeek MLA's latent cache): with ``v_cache=None`` the values
-        are the first `value_dim` columns of the key cache (float, paged or 8-bit, where they
+        are the first `value_dim` columns of the key cache (float, paged or quantized, where they
         take the keys' scales), new ones come inside `k` (``v=None``), and the output has
         `value_dim` columns. With numpy caches, ``v_cache=k_cache[..., :Dv]`` is the same.
     key_indices : (B, Nq, topk) or (B, Hk, Nq, topk) int array, optional

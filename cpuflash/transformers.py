@@ -397,7 +397,7 @@ def register(name=NAME):
     return name
 
 
-# -- an 8-bit KV cache
+# -- a quantized KV cache
 
 class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
     """One attention layer's keys and values as quantized rows (`cpuflash.quantize_kv`: 8-bit

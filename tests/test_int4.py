@@ -267,7 +267,7 @@ def test_errors_leave_the_caches_unchanged(rng):
     kc, vc = int4(k_cache), int4(v_cache)
     before = [x.copy() for x in (kc.data, kc.scale, vc.data, vc.scale)]
     call = cpuflash.attention_with_kvcache
-    with pytest.raises(TypeError, match="must share one 8-bit format"):
+    with pytest.raises(TypeError, match="must share one format, got int4 \\(uint8\\) and int8"):
         call(q, kc, quantize_kv(v_cache), k=k, v=v, cache_seqlens=seqlens)
     with pytest.raises(ValueError, match="`cache_seqlens` must lie in"):
         call(q, kc, vc, k=k, v=v, cache_seqlens=[10, 50])

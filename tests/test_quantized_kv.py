@@ -333,8 +333,8 @@ def test_errors_leave_the_caches_unchanged(rng):
         call(q, kc, v_cache, k=k, v=v, cache_seqlens=seqlens)
     with pytest.raises(TypeError, match="got `k_cache` a ndarray and `v_cache` a QuantizedKV"):
         call(q, k_cache, vc, k=k, v=v, cache_seqlens=seqlens)
-    with pytest.raises(TypeError, match="must share one 8-bit format, got float8_e4m3fn and "
-                                        "int8"):
+    with pytest.raises(TypeError, match="must share one format, got float8_e4m3 "
+                                        "\\(float8_e4m3fn\\) and int8 \\(int8\\)"):
         call(q, kf, vc, k=k, v=v, cache_seqlens=seqlens)
     with pytest.raises(TypeError, match="`q` must be float32, float16 or bfloat16 with a "
                                         "quantized cache, got float64"):
