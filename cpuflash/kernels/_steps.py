@@ -245,6 +245,13 @@ def modifies(mods):
 
 
 @jit
+def chains(mods):
+    """Whether `modify_tile` writes a factor into the backward's chain (the derivative of the
+    steps after the product): a softcap's, a score_mod's."""
+    return mods.softcap > 0 or _user.has_score_mod(mods.functions)
+
+
+@jit
 def modify_tile(scores, chain, rows, cols, at, band, mods, pre):
     """The score pipeline after the product: `scores` holds ``product_scale(mods) * Q K^T``
     over each row's band (`score_tile`'s arguments), and gets every modifier in its place,

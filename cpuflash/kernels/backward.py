@@ -6,8 +6,8 @@ the LSE is final), and the gradients follow tile by tile:
 
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ += dS K,   dK += dS^T Q
 
-(the scale, and a softcap's derivative through `_steps.score_tile`'s chain factor, in their
-places). `delta` is computed first, in a pass of its own. Then one of two schemes, each summing
+(the scale, and the derivative of the score pipeline's steps through `_steps.score_tile`'s
+chain factor, in their places). `delta` is computed first, in a pass of its own. Then one of two schemes, each summing
 in a fixed order with no atomics:
 
 * **split** (seven tile products): the **key pass** has one work item per key block of one
@@ -100,7 +100,7 @@ def _key_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_ac
     """The key pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
     qk_scale, left, right = mods.scale, mods.left, mods.right
-    has_chain = mods.softcap > 0 or _user.has_score_mod(mods.functions)
+    has_chain = _steps.chains(mods)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     # -- thread-local tiles: Q and dO twice (for the scores, and as padded rows for the
@@ -235,7 +235,7 @@ def _query_pass(first_item, end_item, q, k, v, dout, lse, delta, dq, dk, dv, dq_
     """The query pass over work items first_item .. end_item - 1 of `items` (`_fa2_backward`)."""
     d, d_v, group, cdtype = q.shape[3], v.shape[3], q.shape[1] // k.shape[1], lse.dtype
     qk_scale, left, right = mods.scale, mods.left, mods.right
-    has_chain = mods.softcap > 0 or _user.has_score_mod(mods.functions)
+    has_chain = _steps.chains(mods)
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the band
     no_pre = np.empty((0, 0), dtype=cdtype)  # the scores before a score_mod: not needed here
     q_tile, do_tile, k_panels, v_panels, scores, dp, chain = _score_buffers(
