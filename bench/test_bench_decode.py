@@ -8,9 +8,9 @@ when torch is installed, numpy's otherwise), and GB/s are those of the K/V cache
     python bench/test_bench_decode.py [--repeats 20]       # side-by-side ratios in one process
 
 Cases: GQA decode B=1, Hq=32, Hk=8, Nk=16384, D=128, one query row, also with float16 and
-bfloat16 caches (half the bytes) and int8 and float8_e4m3 caches (`cpuflash.quantize_kv`: a
-quarter of the bytes, plus a float32 scale per row); MQA decode (Hq=8, Hk=1) with automatic
-splits against ``num_splits=1``.
+bfloat16 caches (half the bytes), int8 and float8_e4m3 caches (`cpuflash.quantize_kv`: a
+quarter of the bytes, plus a float32 scale per row) and int4 ones (0.16x, a scale per 32); MQA
+decode (Hq=8, Hk=1) with automatic splits against ``num_splits=1``.
 """
 
 import os
@@ -55,8 +55,9 @@ def half_dtypes():
 
 
 def quantized_formats():
-    """The 8-bit cache formats available (float8_e4m3 needs ml_dtypes)."""
-    return ["int8"] + (["float8_e4m3"] if "bfloat16" in half_dtypes() else [])
+    """The quantized cache formats available (float8_e4m3 needs ml_dtypes; int4 in groups of
+    32)."""
+    return ["int8"] + (["float8_e4m3"] if "bfloat16" in half_dtypes() else []) + ["int4"]
 
 
 def cache_bytes(cache):
@@ -81,7 +82,7 @@ def check(out, q, k_cache, v_cache):
 
 def implementations(q, k_cache, v_cache, halves=False):
     """name -> (call, its inputs), for one case; with `halves`, the same case with float16 and
-    bfloat16 inputs and int8 and float8_e4m3 caches; torch when installed."""
+    bfloat16 inputs and int8, float8_e4m3 and int4 caches; torch when installed."""
     calls = {
         "cpuflash": (lambda: cpuflash.attention_with_kvcache(q, k_cache, v_cache),
                      (q, k_cache, v_cache)),
@@ -120,7 +121,7 @@ def _timed(call):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("name", ["cpuflash", "cpuflash-1-split", "cpuflash-float16",
                                   "cpuflash-bfloat16", "cpuflash-int8",
-                                  "cpuflash-float8_e4m3", "torch"])
+                                  "cpuflash-float8_e4m3", "cpuflash-int4", "torch"])
 def test_decode(benchmark, case, name):
     q, k_cache, v_cache = make_case(*CASES[case])
     calls = implementations(q, k_cache, v_cache, halves=True)
