@@ -256,3 +256,20 @@ def visible(n_q, n_k, causal=False, window=None):
     if right >= 0:
         sees &= cols <= rows + right
     return sees
+
+
+def check_modified_decoding(rng, q, k_cache, v_cache):
+    """A quantized cache's decoding step with a window, softcap, ALiBi and sinks, split in two,
+    against the reference on its dequantized rows (entries of 1 and of all 333 keys)."""
+    import cpuflash
+
+    hq = q.shape[1]
+    seqlens = np.array([1, 333], np.int32)
+    kwargs = dict(window=(200, 0), softcap=15.0,
+                  sinks=rng.standard_normal(hq).astype(np.float32))
+    slopes = rng.uniform(0.01, 0.1, hq).astype(np.float32)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               num_splits=2, return_lse=True,
+                                               alibi_slopes=slopes, **kwargs)
+    check_kvcache(out, lse, q, cpuflash.dequantize_kv(k_cache), cpuflash.dequantize_kv(v_cache),
+                  seqlens, causal=True, alibi_slopes=slopes, **kwargs)

@@ -10,7 +10,8 @@ import cpuflash
 from cpuflash import QuantizedKV, dequantize_kv, quantize_kv
 from cpuflash._simd import LANES_F32, vload_i4, vstore
 
-from helpers import assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided
+from helpers import (assert_same_bits, cache_case, check_kvcache, check_modified_decoding,
+                     low_precision_dtype, strided)
 
 
 def int4(x, group_size=32, rotate=False):
@@ -157,15 +158,7 @@ def test_modifiers_groups_and_head_dims(rng, d, d_v, group_size, hq, hk):
                      "int4", group_size=group_size if d % group_size == 0 else 4)
     vc = quantize_kv(rng.standard_normal((batch, hk, n_max, d_v)).astype(np.float32) * spread,
                      "int4", group_size=group_size if d_v % group_size == 0 else 2)
-    seqlens = np.array([1, 333], np.int32)
-    kwargs = dict(window=(200, 0), softcap=15.0,
-                  alibi_slopes=rng.uniform(0.01, 0.1, hq).astype(np.float32),
-                  sinks=rng.standard_normal(hq).astype(np.float32))
-    out, lse = cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=2,
-                                               return_lse=True, **kwargs)
-    slopes = kwargs.pop("alibi_slopes")
-    check_kvcache(out, lse, q, dequantize_kv(kc), dequantize_kv(vc), seqlens, causal=True,
-                  alibi_slopes=slopes, **kwargs)
+    check_modified_decoding(rng, q, kc, vc)
 
 
 def test_nonfinite_groups_reach_only_the_rows_that_see_them(rng):

@@ -10,8 +10,8 @@ from cpuflash import QuantizedKV, dequantize_kv, quantize_kv
 from cpuflash._simd import E4M3_UNIT, LANES_F32, vload_e4m3, vload_i8, vstore
 from cpuflash.kernels._convert import FLOAT8_E4M3, INT8, widen
 
-from helpers import (assert_same_bits, cache_case, check_kvcache, low_precision_dtype, strided,
-                     to_pages, unaligned)
+from helpers import (assert_same_bits, cache_case, check_kvcache, check_modified_decoding,
+                     low_precision_dtype, strided, to_pages, unaligned)
 
 FORMATS = ["int8", "float8_e4m3"]
 LIMIT = {"int8": 127, "float8_e4m3": 448}
@@ -221,15 +221,7 @@ def test_modifiers_gqa_and_head_dims(rng, fmt, d, d_v, hq, hk):
     q = rng.standard_normal((batch, hq, 1, d)).astype(np.float32)
     kc = quantized(rng, fmt, (batch, hk, n_max, d))
     vc = quantized(rng, fmt, (batch, hk, n_max, d_v))
-    seqlens = np.array([1, 333], np.int32)
-    kwargs = dict(window=(200, 0), softcap=15.0,
-                  alibi_slopes=rng.uniform(0.01, 0.1, hq).astype(np.float32),
-                  sinks=rng.standard_normal(hq).astype(np.float32))
-    out, lse = cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=2,
-                                               return_lse=True, **kwargs)
-    slopes = kwargs.pop("alibi_slopes")
-    check_kvcache(out, lse, q, dequantize_kv(kc), dequantize_kv(vc), seqlens, causal=True,
-                  alibi_slopes=slopes, **kwargs)
+    check_modified_decoding(rng, q, kc, vc)
 
 
 @pytest.mark.parametrize("fmt", FORMATS + ["int4"])
