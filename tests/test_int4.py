@@ -243,16 +243,18 @@ def test_values_inside_the_keys_and_listed_keys(rng):
 
 
 def test_user_functions(rng):
+    """A score_mod compiled into the int4 kernel: ALiBi's bias with slope 0.01, written as one,
+    against the reference with that slope."""
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, d=64, d_v=64)
     kc, vc = int4(k_cache), int4(v_cache)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score - 0.01 * (q_idx - kv_idx)
 
-    got = cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, score_mod=score_mod)
-    want = cpuflash.attention_with_kvcache(q, dequantize_kv(kc), dequantize_kv(vc),
-                                           cache_seqlens=seqlens, score_mod=score_mod)
-    np.testing.assert_allclose(got, want, atol=2e-6)
+    out, lse = cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                               score_mod=score_mod, return_lse=True)
+    check_kvcache(out, lse, q, dequantize_kv(kc), dequantize_kv(vc), seqlens,
+                  alibi_slopes=np.full(q.shape[1], 0.01, np.float32))
 
 
 def test_errors_leave_the_caches_unchanged(rng):
