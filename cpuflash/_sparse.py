@@ -1,10 +1,12 @@
 """Attention over listed keys (`key_indices`, DeepSeek V3.2's top-k sparse attention).
 
 Each query row of each kv head attends to the key positions listed for it, AND the call's other
-rules (causal, window, chunk, and a KV-cache call's mask_mod, evaluated on the listed keys). The listed keys of one (batch entry, kv head, query row) are
-gathered, the visible ones first and in position order, into key rows of their own; the heads
-of the group at that query row are the query rows of one FA-2 tile over them, as
-`_run.forward_folded` folds a decoding step's heads. The work and the memory grow with the
+rules (causal, window, chunk, and a KV-cache call's mask_mod, evaluated on the listed keys). The
+listed keys of one (batch entry, kv head, query row) are gathered, the visible ones first and in
+position order, into key rows of their own; the heads of the group at that query row are the
+query rows of one FA-2 tile over them, as `_run.forward_folded` folds a decoding step's heads.
+A KV-cache call's score_mod runs in those tiles, given the call's positions through tables
+(`_listed_score_mod`). The work and the memory grow with the
 number of listed keys, not with the cache length, and a row's result does not depend on the
 order of its list. Rows are taken a block at a time, so that the gathered copies stay within
 `GATHER_BYTES`.
@@ -20,7 +22,7 @@ import numba
 import numpy as np
 
 from . import (_call, _kvcache, _quantize, _run, _run_backward, _schedule, _threads,
-               _validate_gradients)
+               _user_functions, _validate_gradients)
 from .kernels._band import SEQ_N_K
 
 GATHER_BYTES = 64 * 2 ** 20  # the gathered keys and values of one block of rows, at most
@@ -112,10 +114,14 @@ def _gathered_call(call, gathered, out, lse, kernel_dtype):
         new_v=None, block_table=None, seqlens=None, n_keys=None)
 
 
-def forward(call, k, v, key_indices, n_keys, block_table, page_rows, scales=(None, None)):
+def forward(call, k, v, key_indices, n_keys, block_table, page_rows, scales=(None, None),
+            score=None, heads=None):
     """Write the output and lse of `call` (validated; its key_indices (B, Hk, Nq, topk) int64
     checked) over the caches `k`, `v` as the kernels read them (pages of `page_rows` rows,
-    `block_table`; quantized with `scales`), each entry's first `n_keys[b]` keys listable."""
+    `block_table`; quantized with `scales`), each entry's first `n_keys[b]` keys listable.
+    `score`: (score_mod, score_args) of a KV-cache call, or None; `heads`: (step, first) when
+    the call's head h is the caller's head ``h * step + first`` (`kvcache`'s one head of each
+    group at a time), for the score_mod."""
     keys, counts = listed_keys(call, key_indices, n_keys)
     kernel_dtype = np.dtype(np.float32) if scales[0] is not None else call.dtype
     for rows in _blocks(call, keys.shape[-1], call.compute_dtype):
@@ -124,6 +130,14 @@ def forward(call, k, v, key_indices, n_keys, block_table, page_rows, scales=(Non
         out = np.empty((n, 1, group, call.head_dim_v), dtype=kernel_dtype)
         lse = np.empty((n, 1, group), dtype=call.compute_dtype)
         folded = _gathered_call(call, gathered, out, lse, kernel_dtype)
+        if score is not None:
+            b, hk, i = gathered.where
+            step, first = heads if heads is not None else (group, 0)
+            where = (b, hk * step + first, n_keys[b] - call.n_q + i,
+                     np.ascontiguousarray(keys.reshape(-1, keys.shape[-1])[rows]))
+            folded = _user_functions.with_user_functions(
+                folded, _listed_score_mod(score[0], len(score[1])), where + tuple(score[1]),
+                None, (), None)
         _run.forward(folded, gathered.seqs, (folded.q, folded.k, folded.v,
                                              _call.kernel_view(out), lse))
         b, _, i = gathered.where
@@ -144,15 +158,38 @@ def attention(call, key_indices):
     forward(call, call.k, call.v, key_indices, n_keys, table, max(call.n_k, 1))
 
 
-def kvcache(call, key_indices, mask=None):
+_LISTED = {}  # (jitted score_mod, its argument count) -> `_listed_score_mod`'s function
+
+
+def _listed_score_mod(score_mod, n_args):
+    """`score_mod` (of `n_args` score_args) as the gathered rows' kernels call it: their
+    (sequence, head 0, row, column) turned into the call's (batch entry, head, query position,
+    key position) by the four tables that lead its arguments (`forward`). One function per
+    score_mod, so that its kernel is compiled once; written out (Numba's functions take no
+    ``*args``)."""
+    _, user = _user_functions.user_function("score_mod", score_mod)  # (its latest compile)
+    wrapped = _LISTED.get((user, n_args))
+    if wrapped is None:
+        args = "".join(f", a{i}" for i in range(n_args))
+        scope = {"user": user}
+        exec(f"def listed_score_mod(score, s, h, row, column, entry, head, position, key{args}):"
+             f"\n    return user(score, entry[s], head[s] + row, position[s], key[s, column]"
+             f"{args})\n", scope)
+        wrapped = _LISTED[(user, n_args)] = scope["listed_score_mod"]
+    return wrapped
+
+
+def kvcache(call, key_indices, mask=None, score=None):
     """`cpuflash.attention_with_kvcache` with `key_indices` (checked): the new keys written,
     then each entry's first ``n_keys[b]`` cache positions listable. `mask`: (jitted
-    mask_mod, its args) or None; the listed keys it hides are taken off the lists."""
+    mask_mod, its args) or None; the listed keys it hides are taken off the lists. `score`:
+    (score_mod, score_args), or None; the gathered rows' kernels call it with the call's
+    entries, heads and positions (`_listed_score_mod`)."""
     k, v = _kvcache.write_new_keys(call)
     scales = (None, None)
     if call.quantized is not None:  # gathered as the caller's dtypes (float8 is no uint8)
         k, v, scales = call.k_cache, call.v_cache, (call.k_scale, call.v_scale)
-    pages = (call.n_keys, call.block_table, call.page_rows, scales)
+    pages = (call.n_keys, call.block_table, call.page_rows, scales, score)
     if mask is None:
         forward(call, k, v, key_indices, *pages)
         return
@@ -171,7 +208,7 @@ def kvcache(call, key_indices, mask=None):
             call, q=call.q[:, heads], n_heads=call.n_kv_heads, out_bhsd=call.out_bhsd[:, heads],
             out_user=call.out_bhsd[:, heads], sinks=call.sinks[heads] if call.sinks.size
             else call.sinks, lse_shape=call.lse[:, heads].shape)
-        forward(part, k, v, np.where(by_head[:, :, g], key_indices, -1), *pages)
+        forward(part, k, v, np.where(by_head[:, :, g], key_indices, -1), *pages, (group, g))
         call.lse[:, heads] = part.lse
 
 

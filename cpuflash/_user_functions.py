@@ -274,12 +274,16 @@ def args_value(name, args):
     return tuple(values)
 
 
-def mask_function(mask_mod, mask_args, score_args=()):
+def score_args_alone(score_args):
+    """The error of `score_args` given without a `score_mod`, once they are checked."""
+    if args_value("score_args", score_args):
+        _fail(ValueError, "`score_args` given without a `score_mod`")
+
+
+def mask_function(mask_mod, mask_args):
     """(jitted mask_mod, its args) of a call that evaluates its mask outside the kernels
     (listed keys, `_sparse`), checked as a kernel's mask is; None without one."""
     mask_args = args_value("mask_args", mask_args)
-    if args_value("score_args", score_args):
-        _fail(ValueError, "`score_args` given without a `score_mod`")
     if mask_mod is None:
         if mask_args:
             _fail(ValueError, "`mask_args` given without a `mask_mod`")

@@ -204,7 +204,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         - 1``): only the listed keys are read, from contiguous or paged, float or quantized
         caches. With a `mask_mod`, a row sees the listed keys its mask keeps (evaluated for
         the listed keys only; where the heads of a group keep different keys, they run one
-        head of each group at a time). `score_mod` and ALiBi are refused with it.
+        head of each group at a time); a `score_mod` gets each listed key's position as
+        `kv_idx`. ALiBi is refused with it.
 
     Returns
     -------
@@ -249,10 +250,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         sinks=sinks, block_table=block_table, layout=layout, num_splits=num_splits,
         return_lse=return_lse, value_dim=value_dim)
     if key_indices is not None:
-        listed = _validate.key_indices_value(
-            key_indices, call, call.n_keys, dict(alibi_slopes=alibi_slopes, score_mod=score_mod))
-        mask = _user_functions.mask_function(mask_mod, mask_args, score_args)
-        _sparse.kvcache(call, listed, mask)
+        listed = _validate.key_indices_value(key_indices, call, call.n_keys,
+                                             dict(alibi_slopes=alibi_slopes))
+        mask = _user_functions.mask_function(mask_mod, mask_args)
+        if score_mod is None and not _nothing(score_args):
+            _user_functions.score_args_alone(score_args)
+        score = None if score_mod is None else (
+            score_mod, _user_functions.args_value("score_args", score_args))
+        _sparse.kvcache(call, listed, mask, score)
         return call.result(return_lse)
     if own:
         call = _user_functions.with_user_functions(call, score_mod, score_args, mask_mod,

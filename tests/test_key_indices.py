@@ -168,8 +168,10 @@ def test_combinations_not_taken(rng):
     with pytest.raises(ValueError, match="cannot be combined with `alibi_slopes`"):
         cpuflash.attention(q, k, v, key_indices=keys,
                            alibi_slopes=np.ones(4, np.float32))
-    with pytest.raises(ValueError, match="cannot be combined with `score_mod`"):
-        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys,
+    with pytest.raises(ValueError, match="`score_args` given without a `score_mod`"):
+        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys, score_args=(1,))
+    with pytest.raises(TypeError, match="`score_args` must be a tuple"):
+        cpuflash.attention_with_kvcache(q, k, v, key_indices=keys, score_args=1,
                                         score_mod=lambda s, b, h, i, j: s)
     with pytest.raises(ValueError, match="`mask_args` given without a `mask_mod`"):
         cpuflash.attention_with_kvcache(q, k, v, key_indices=keys, mask_args=(1,))
@@ -209,3 +211,34 @@ def test_mask_mod_hides_listed_keys(rng, mask_mod, by_head):
             mask[h, i, j] &= bool(mask_mod(b, h, n - n_q + i, j, *args))
         assert_close_to_reference(out[b], q[b], k[b, :, :n], v[b, :, :n], causal=True,
                                   mask=mask, sinks=sinks)
+
+
+def _biased(score, b, h, q_idx, kv_idx, bias, slope):
+    return score + bias[b, h, kv_idx] - slope * (q_idx - kv_idx)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_score_mod_sees_the_listed_keys_positions(rng, mask):
+    """A KV-cache call's score_mod on listed keys gets the call's batch entry, head, the
+    query's cache position and the key's (here a bias by key and ALiBi's slope, against the
+    reference with that bias), alone and with a mask_mod."""
+    batch, hq, hk, n_q, n_k = 2, 4, 2, 3, 70
+    q = rng.standard_normal((batch, hq, n_q, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, hk, n_k, 32)).astype(np.float32) for _ in range(2))
+    seqlens = np.array([40, 70])
+    keys = listing(rng, batch, hk, n_q, 40, 25)
+    bias = rng.standard_normal((batch, hq, n_k)).astype(np.float32)
+    extra = dict(mask_mod=_every_third_by_head) if mask else {}
+    out, lse = cpuflash.attention_with_kvcache(
+        q, k, v, cache_seqlens=seqlens, causal=True, key_indices=keys, score_mod=_biased,
+        score_args=(bias, 0.05), return_lse=True, **extra)
+    for b in range(batch):
+        n = seqlens[b]
+        visible = as_mask(keys[b:b + 1], hq, n)[0]
+        if mask:
+            for h, i, j in np.ndindex(hq, n_q, n):
+                visible[h, i, j] &= _every_third_by_head(b, h, n - n_q + i, j)
+        positions = np.arange(n - n_q, n)[:, None] - np.arange(n)[None, :]
+        dense_bias = bias[b, :, None, :n] - 0.05 * positions[None]
+        assert_close_to_reference(out[b], q[b], k[b, :, :n], v[b, :, :n], causal=True,
+                                  mask=visible, bias=dense_bias.astype(np.float32))
