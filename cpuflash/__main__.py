@@ -311,9 +311,9 @@ def build_parser():
         "warmup", help="compile and cache the kernels ahead of the first call",
         description="Compile the attention, attention backward and KV-cache decoding kernels "
                     "for the given dtypes, and the decoding kernels of quantized KV caches "
-                    "(int8, float8_e4m3, int4), or load them from the cache, so that the first call "
-                    "of a later process does not wait for Numba, e.g. in a container build "
-                    "step. Prints what it compiled and where the cache is.")
+                    "(int8, float8_e4m3, int4), or load them from the cache, so that the "
+                    "first call of a later process does not wait for Numba, e.g. in a "
+                    "container build step. Prints what it compiled and where the cache is.")
     warmup.add_argument("--dtype", nargs="+", type=_dtype_name, default=["float32"],
                         metavar="DTYPE",
                         help=f"{', '.join(WARMUP_DTYPES)}; {', '.join(WARMUP_CACHE_FORMATS)} "

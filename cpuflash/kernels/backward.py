@@ -7,8 +7,8 @@ the LSE is final), and the gradients follow tile by tile:
     dV += P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ += dS K,   dK += dS^T Q
 
 (the scale, and the derivative of the score pipeline's steps through `_steps.score_tile`'s
-chain factor, in their places). `delta` is computed first, in a pass of its own. Then one of two schemes, each summing
-in a fixed order with no atomics:
+chain factor, in their places). `delta` is computed first, in a pass of its own. Then one of two
+schemes, each summing in a fixed order with no atomics:
 
 * **split** (seven tile products): the **key pass** has one work item per key block of one
   (sequence, kv head); it owns the block's dK and dV and visits, for each query head of the kv
