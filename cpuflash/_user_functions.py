@@ -274,42 +274,54 @@ def args_value(name, args):
     return tuple(values)
 
 
-def score_args_alone(score_args):
-    """The error of `score_args` given without a `score_mod`, once they are checked."""
-    if args_value("score_args", score_args):
+def listed_functions(score_mod, score_args, mask_mod, mask_args, compute):
+    """(score, mask) of a call whose functions run outside the kernels' own indices (listed
+    keys, `_sparse`), each checked and compiled for the call's argument types as a kernel's are,
+    before any work: score = (score_mod, its args), mask = (jitted mask_mod, its args), None
+    where there is none."""
+    score_args, mask_args = args_value("score_args", score_args), args_value("mask_args",
+                                                                              mask_args)
+    _args_without_function(score_mod, score_args, mask_mod, mask_args)
+    score = mask = None
+    if score_mod is not None:
+        _checked("score_mod", score_mod, score_args, compute)
+        score = (score_mod, score_args)
+    if mask_mod is not None:
+        mask = (_checked("mask_mod", mask_mod, mask_args, compute)[1], mask_args)
+    return score, mask
+
+
+def _args_without_function(score_mod, score_args, mask_mod, mask_args):
+    """The ValueError of arguments given for a function that is not."""
+    if mask_mod is None and mask_args:
+        _fail(ValueError, "`mask_args` given without a `mask_mod`")
+    if score_mod is None and score_args:
         _fail(ValueError, "`score_args` given without a `score_mod`")
 
 
-def mask_function(mask_mod, mask_args):
-    """(jitted mask_mod, its args) of a call that evaluates its mask outside the kernels
-    (listed keys, `_sparse`), checked as a kernel's mask is; None without one."""
-    mask_args = args_value("mask_args", mask_args)
-    if mask_mod is None:
-        if mask_args:
-            _fail(ValueError, "`mask_args` given without a `mask_mod`")
-        return None
-    _, jitted = user_function("mask_mod", mask_mod)
-    check_compiles("mask_mod", mask_mod, jitted,
-                   (types.int64,) * 4 + tuple(numba.typeof(x) for x in mask_args), "bool")
-    return jitted, mask_args
+def _checked(role, function, args, compute):
+    """(digest, jitted function) of the user's `function` as `role`, compiled now for the
+    call's argument types (`check_compiles`): the score (of dtype `compute`, for a score_mod),
+    b, h, q_idx, kv_idx, then `args`."""
+    lead = (numba.from_dtype(compute),) if role == "score_mod" else ()
+    digest, jitted = user_function(role, function)
+    arg_types = lead + (types.int64,) * 4 + tuple(numba.typeof(x) for x in args)
+    check_compiles(role, function, jitted, arg_types,
+                   "number" if role == "score_mod" else "bool")
+    return digest, jitted
 
 
 def functions_of(score_mod, mask_mod, score_args, mask_args, compute):
     """`_user.UserFunctions` of the call, registered for the kernels' compile, after checking
     that the functions compile for the call's argument types."""
-    score_type = numba.from_dtype(compute)
-    index = (types.int64,) * 4
     key_parts = []
     registered = [None, None]
-    for slot, (role, function, args, want, lead) in enumerate((
-            ("score_mod", score_mod, score_args, "number", (score_type,) + index),
-            ("mask_mod", mask_mod, mask_args, "bool", index))):
+    for slot, (role, function, args) in enumerate((("score_mod", score_mod, score_args),
+                                                    ("mask_mod", mask_mod, mask_args))):
         if function is None:
             key_parts.append("-")
             continue
-        digest, jitted = user_function(role, function)
-        arg_types = lead + tuple(numba.typeof(x) for x in args)
-        check_compiles(role, function, jitted, arg_types, want)
+        digest, jitted = _checked(role, function, args, compute)
         key_parts.append(digest[:20])
         registered[slot] = jitted
     if registered == [None, None]:
@@ -392,10 +404,7 @@ def with_user_functions(call, score_mod, score_args, mask_mod, mask_args, block_
                 and block[1] % tiling.KEY_PANEL == 0):
             tiles = tiling.TileConfig(*block)  # a kernel tile is one block
     mask_args = args_value("mask_args", mask_args)
-    if mask_mod is None and mask_args:
-        _fail(ValueError, "`mask_args` given without a `mask_mod`")
-    if score_mod is None and score_args:
-        _fail(ValueError, "`score_args` given without a `score_mod`")
+    _args_without_function(score_mod, score_args, mask_mod, mask_args)
     fns = functions_of(score_mod, mask_mod, score_args, mask_args, call.compute_dtype)
     if fns is _user.NONE:
         return call

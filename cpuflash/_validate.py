@@ -625,7 +625,7 @@ def key_indices_value(key_indices, call, n_keys, others):
         if value is not None and value is not False:
             _fail(ValueError, f"`key_indices` cannot be combined with `{name}`: listed keys "
                               f"take causal, window, chunk_size, softcap, sinks and (in "
-                              f"attention_with_kvcache) mask_mod only")
+                              f"attention_with_kvcache) score_mod and mask_mod only")
     keys = int_array("key_indices", key_indices)
     batch, n_kv, n_q = call.batch, call.n_kv_heads, call.n_q
     if keys.ndim == 3 and keys.shape[:2] == (batch, n_q):

@@ -252,11 +252,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     if key_indices is not None:
         listed = _validate.key_indices_value(key_indices, call, call.n_keys,
                                              dict(alibi_slopes=alibi_slopes))
-        mask = _user_functions.mask_function(mask_mod, mask_args)
-        if score_mod is None and not _nothing(score_args):
-            _user_functions.score_args_alone(score_args)
-        score = None if score_mod is None else (
-            score_mod, _user_functions.args_value("score_args", score_args))
+        score, mask = _user_functions.listed_functions(score_mod, score_args, mask_mod,
+                                                       mask_args, call.compute_dtype)
         _sparse.kvcache(call, listed, mask, score)
         return call.result(return_lse)
     if own:

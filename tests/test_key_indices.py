@@ -178,6 +178,12 @@ def test_combinations_not_taken(rng):
     with pytest.raises(TypeError, match="`mask_mod` .* must return a bool"):
         cpuflash.attention_with_kvcache(q, k, v, key_indices=keys,
                                         mask_mod=lambda b, h, i, j: 1.5)
+    # the functions are checked before the new keys are written
+    cache, new = k.copy(), np.ones((1, 2, 1, 16), np.float32)
+    with pytest.raises(TypeError, match="`score_mod` .* cannot be compiled by Numba"):
+        cpuflash.attention_with_kvcache(q, cache, cache.copy(), k=new, v=new, cache_seqlens=19,
+                                        key_indices=keys, score_mod=lambda s, b, h, i, j: s[0])
+    np.testing.assert_array_equal(cache, k)
 
 
 def _every_third_by_head(b, h, q_idx, kv_idx):
