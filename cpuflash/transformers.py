@@ -454,9 +454,7 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
         self.k_cache, self.v_cache = grown
 
     def _quantized(self, x, rotate=False):
-        if self.format == "int4":
-            return api.quantize_kv(x, "int4", group_size=self.group_size, rotate=rotate)
-        return api.quantize_kv(x, self.format, rotate=rotate)
+        return api.quantize_kv(x, self.format, group_size=self.group_size, rotate=rotate)
 
     def _placeholder(self, cache):
         d = cache.data.shape[3] * (2 if self.format == "int4" else 1)  # int4: two a byte
