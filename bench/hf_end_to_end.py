@@ -5,7 +5,7 @@ Measures, in one process, with cpufa and sdpa interleaved (best of N), on the sa
 - prefill of a long prompt (4096 tokens) on SmolLM2-135M-Instruct, with the share of the time
   spent in the attention function (every call timed);
 - greedy decoding with the model's KV cache after that prompt and after a short one (tokens/s);
-- greedy decoding on cpufa after the long prompt with an 8-bit `QuantizedKVCache` against the
+- greedy decoding on cpufa after the long prompt with a quantized `QuantizedKVCache` against the
   model's float cache (tokens/s, and the tokens that agree);
 - sentence embeddings of a batch of 64 sentences with all-MiniLM-L6-v2 (sentences/s);
 - the adapter's own cost per call at a decoding step (torch <-> numpy, mask reading): the
@@ -249,8 +249,9 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="best of this many")
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for both (default: Numba's count)")
-    parser.add_argument("--quantized", default="int8", choices=["int8", "float8_e4m3", "none"],
-                        help="the 8-bit cache decoding is timed with after the long prompt")
+    parser.add_argument("--quantized", default="int8",
+                        choices=["int8", "float8_e4m3", "int4", "none"],
+                        help="the quantized cache decoding is timed with after the long prompt")
     parser.add_argument("--quick", action="store_true", help="512/64-token prompts, 8 steps, "
                                                              "16 sentences, best of 1")
     args = parser.parse_args(argv)
