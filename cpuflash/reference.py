@@ -11,7 +11,7 @@ the benchmarks can show what the FA-2 loop order buys.
 
 import numpy as np
 
-__all__ = ["attention_reference", "scores", "attention_fa1", "naive_attention"]
+__all__ = ["attention_reference", "probabilities", "scores", "attention_fa1", "naive_attention"]
 
 
 def attention_reference(q, k, v, *, causal=False, scale=None, window=None, chunk_size=None,
@@ -32,12 +32,40 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, chunk
                         softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
                         dtype=dtype)
     v = v.astype(dtype)
-    n_k = k.shape[-2]
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     if group > 1:  # GQA / MQA: query head h reads kv head h // group
         v = np.repeat(v, group, axis=-3)
+    p, row_sum, lse = _softmax(s, sinks, dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = _visible_sum(p, v, visible) / row_sum
+    out = np.where(row_sum == 0, 0, out).astype(dtype)
+    if layout == "bshd":
+        out = np.swapaxes(out, 1, 2)
+    return (out, lse.astype(dtype)) if return_lse else out
 
-    # 6. softmax over the visible keys; a row with none gives 0 (lse -inf), as flash-attn does
+
+def probabilities(q, k, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,
+                  alibi_slopes=None, bias=None, mask=None, sinks=None, layout="bhsd",
+                  return_lse=False, dtype=np.float64):
+    """The softmax that `attention_reference` multiplies V by: ``p`` of shape ``(..., Hq, Nq,
+    Nk)`` in `dtype` (in either layout), 0 where a key is hidden and on rows that see none;
+    ``(p, lse)`` with `return_lse`. These are the bits of `attention_reference` run on an
+    identity matrix of values, without that matrix."""
+    if layout == "bshd":  # (B, N, H, D) -> (B, H, N, D)
+        q, k = (np.swapaxes(np.asarray(x), 1, 2) for x in (q, k))
+    s, _ = scores(q, k, causal=causal, scale=scale, window=window, chunk_size=chunk_size,
+                  softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, dtype=dtype)
+    p, row_sum, lse = _softmax(s, sinks, np.dtype(dtype))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.where(row_sum == 0, 0, p / row_sum).astype(dtype)
+    return (p, lse.astype(dtype)) if return_lse else p
+
+
+def _softmax(s, sinks, dtype):
+    """Step 6 on the scores `s`: the unnormalized probabilities, their row sums (sinks
+    included) and the log-sum-exp. A row with no visible key sums to 0 (lse -inf), as
+    flash-attn has it."""
+    n_k = s.shape[-1]
     row_max = s.max(axis=-1, keepdims=True) if n_k else np.full(s.shape[:-1] + (1,), -np.inf)
     if sinks is not None:
         sink = np.asarray(sinks, dtype=dtype)[:, None, None]
@@ -48,12 +76,8 @@ def attention_reference(q, k, v, *, causal=False, scale=None, window=None, chunk
     if sinks is not None:
         row_sum = row_sum + np.exp(sink - shift)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = _visible_sum(p, v, visible) / row_sum
         lse = (shift + np.log(row_sum))[..., 0]
-    out = np.where(row_sum == 0, 0, out).astype(dtype)
-    if layout == "bshd":
-        out = np.swapaxes(out, 1, 2)
-    return (out, lse.astype(dtype)) if return_lse else out
+    return p, row_sum, lse
 
 
 def scores(q, k, *, causal=False, scale=None, window=None, chunk_size=None, softcap=0.0,

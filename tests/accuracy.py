@@ -4,7 +4,7 @@ with a floor for the rounding of large logits). Input builders and other shared 
 
 import numpy as np
 
-from cpuflash.reference import attention_reference
+from cpuflash.reference import attention_reference, probabilities
 
 # How many standard deviations of the score rounding (`score_rounding_spread`) an output element
 # may be off on top of 2x the plain error. Measured with four correct float32 implementations
@@ -14,8 +14,8 @@ from cpuflash.reference import attention_reference
 # tests' sizes and flags (24 failed), the most any of them needed was 1.86; 3 leaves a margin.
 ROUNDING_SIGMAS = 3.0
 
-# `score_rounding_spread` reads p off the reference run on an identity matrix of values, one
-# (Nk, Nk) matrix per query head; past this many elements in all (256 MiB) it is skipped.
+# `score_rounding_spread` is skipped past this many query heads x Nk x Nk: at thousands of keys
+# (where a tiny problem's luck no longer decides the plain error)
 SPREAD_MAX_ELEMENTS = 2 ** 25
 
 
@@ -44,22 +44,21 @@ def score_rounding_spread(q, k, v, out, lse, eps, **kwargs):
 
         eps * sqrt(sum_j (p_ij * s_ij)^2 * (v_jc - o_ic)^2)
 
-    which is what this returns, shaped like `out`, from the oracle's ``p`` (the reference run on
-    ``v = identity``), ``s = log p + lse`` and ``out`` (all float64).
+    which is what this returns, shaped like `out`, from the oracle's ``p``
+    (`cpuflash.reference.probabilities`), ``s = log p + lse`` and ``out`` (all float64).
 
     It is large only where a few keys with large logits share a row: then the output depends
     steeply on the logits, and a tiny problem has too few outputs for the plain implementation's
     largest error to be a fair sample (it can be 10x smaller than another correct kernel's by
     luck). Where the softmax is diffuse or one-hot, it is small.
 
-    Returns None when the identity matrix would have more than `SPREAD_MAX_ELEMENTS` elements
-    (thousands of keys: test_long_causal_sequence has 65536).
+    Returns None past `SPREAD_MAX_ELEMENTS` (thousands of keys: test_long_causal_sequence has
+    65536).
     """
     n_k = k.shape[-2]
     if np.prod(q.shape[:-2], dtype=np.int64) * n_k * n_k > SPREAD_MAX_ELEMENTS:
         return None
-    identity = np.broadcast_to(np.eye(n_k), k.shape[:-1] + (n_k,))
-    p = attention_reference(q, k, identity, **kwargs)
+    p = probabilities(q, k, **kwargs)
     with np.errstate(divide="ignore", invalid="ignore"):
         s = np.where(p > 0, np.log(p) + np.asarray(lse, np.float64)[..., None], 0.0)
     w = (p * s) ** 2
@@ -163,9 +162,7 @@ def bf16_dot_reference(q, k, v, **kwargs):
     layout = kwargs.pop("layout", "bhsd")
     if layout == "bshd":  # the reference's (B, H, N, D) arrays, and back
         q, k, v = (np.swapaxes(x, -2, -3) for x in (q, k, v))
-    n_k = k.shape[-2]
-    identity = np.broadcast_to(np.eye(n_k, dtype=np.float32), k.shape[:-1] + (n_k,))
-    p = attention_reference(q, k, identity, dtype=np.float32, **kwargs)
+    p = probabilities(q, k, dtype=np.float32, **kwargs)
     p = p.astype(ml_dtypes.bfloat16).astype(np.float32)
     v = np.asarray(v, np.float32)
     if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:  # GQA / MQA: query head h reads h // group

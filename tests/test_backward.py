@@ -7,7 +7,7 @@ import pytest
 
 import cpuflash
 from cpuflash._backward import attention_backward, attention_varlen_backward
-from cpuflash.reference import attention_reference
+from cpuflash.reference import attention_reference, probabilities
 
 from accuracy import assert_within_rule, tolerance
 from helpers import (assert_same_bits, heads_first, low_precision_dtype, negative, packed,
@@ -22,8 +22,8 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
     """The gradients of `attention_reference`'s output, densely, in `dtype`.
 
     Returns ``(dq, dk, dv)``, or ``(dq, dk, dv, dsinks)`` with `sinks`, shaped as q, k, v (and
-    sinks). The probabilities come from `attention_reference` itself (run on an identity matrix
-    of values), so the score pipeline is the oracle's; what is added here is the chain rule:
+    sinks). The probabilities come from the oracle (`cpuflash.reference.probabilities`), so the
+    score pipeline is the oracle's; what is added here is the chain rule:
 
         D_i = sum_c dO_ic O_ic,   dP = dO V^T,   dS = P * (dP - D),
         dX = dS * (1 - tanh(X / softcap)^2)  (X = scale * Q K^T; no factor without a softcap),
@@ -46,8 +46,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, scale=None, win
     options = dict(causal=causal, scale=scale, window=window, chunk_size=chunk_size,
                    softcap=softcap,
                    alibi_slopes=alibi_slopes, bias=bias, mask=mask, sinks=sinks, dtype=dtype)
-    identity = np.broadcast_to(np.eye(n_k, dtype=dtype), k.shape[:-1] + (n_k,))
-    p, lse = attention_reference(q, k, identity, return_lse=True, **options)
+    p, lse = probabilities(q, k, return_lse=True, **options)
     group = q.shape[-3] // k.shape[-3] if q.ndim >= 3 else 1
     k_rep, v_rep = (np.repeat(x, group, axis=-3) if group > 1 else x for x in (k, v))
     t = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
