@@ -11,6 +11,8 @@ Cases (float32 unless named; one query row a head, the whole cache attended):
   shard of it (16 heads); ``mla-128-bf16``: the latent cache in bfloat16 (q too);
 * ``mqa-64``: 64 heads on one kv head, D = 128, N = 16384;
 * ``prefill-64``: Hq 64 on Hk 1, N = 4096, D = 128, causal (torch SDPA with ``enable_gqa``);
+* ``chunk-64``: the same group, 16 new query rows a head against a cache of 16384 (a chunk of
+  a prefill, or speculative decoding's draft tokens checked at once), causal;
 * ``mla-128-top2048``: the MLA step over 2048 listed keys of 32768 (`key_indices`, DeepSeek
   V3.2's sparse attention) against the same step over all 32768 (values inside the keys,
   ``value_dim=512``).
@@ -40,6 +42,7 @@ CASES = {  # name: (Hq, Hk, Nq, N, D, Dv, dtype)
     "mla-16": (16, 1, 1, 8192, 576, 512, "float32"),
     "mqa-64": (64, 1, 1, 16384, 128, 128, "float32"),
     "prefill-64": (64, 1, 4096, 4096, 128, 128, "float32"),
+    "chunk-64": (64, 1, 16, 16384, 128, 128, "float32"),
     "mla-128-top2048": None,  # (`run_top_k`)
 }
 
@@ -58,10 +61,13 @@ def inputs(hq, hk, n_q, n, d, dv, dtype, seed=0):
     return (q, k, v), tuple(map(as_torch, (q, k, v)))
 
 
-def three_lines(tq, tk, tv, scale):
-    """MLA decoding as torch code writes it: the group's heads as the rows of two GEMMs."""
+def three_lines(tq, tk, tv, scale, visible=None):
+    """MLA decoding as torch code writes it: the group's heads as the rows of two GEMMs
+    (`visible`: an (Nq, N) bool mask of each head's rows)."""
     hk, group = tk.shape[1], tq.shape[1] // tk.shape[1]
     s = tq.reshape(hk, group * tq.shape[2], -1) @ tk[0].transpose(-1, -2) * scale
+    if visible is not None:
+        s = s.view(hk, group, *visible.shape).masked_fill(~visible, -torch.inf).view(s.shape)
     return (torch.softmax(s.float(), -1).to(tv.dtype) @ tv[0]).reshape(tq.shape[:3] + (-1,))
 
 
@@ -100,8 +106,14 @@ def run(name, threads, repeats):
     hq, hk, n_q, n, d, dv, dtype = CASES[name]
     (q, k, v), (tq, tk, tv) = inputs(hq, hk, n_q, n, d, dv, dtype)
     scale = 1 / np.sqrt(d)
-    prefill = n_q > 1
-    if prefill:
+    prefill, visible = n_q == n, None
+    if 1 < n_q < n:  # new rows against a cache: causal from the bottom right
+        visible = torch.arange(n)[None, :] <= torch.arange(n_q)[:, None] + (n - n_q)
+        ours = lambda: cpuflash.attention_with_kvcache(q, k, v, causal=True)  # noqa: E731
+        theirs = {"three lines": lambda: three_lines(tq, tk, tv, scale, visible),
+                  "sdpa": lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=visible,
+                                                                 enable_gqa=True)}
+    elif prefill:
         ours = lambda: cpuflash.attention(q, k, v, causal=True)  # noqa: E731
         theirs = {"sdpa": lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True,
                                                                  enable_gqa=True)}
@@ -113,7 +125,7 @@ def run(name, threads, repeats):
     if prefill:  # (a float64 reference would hold Nq x Nk scores per head)
         expected = theirs["sdpa"]().double().numpy()
     else:
-        expected = three_lines(tq.double(), tk.double(), tv.double(), scale).numpy()
+        expected = three_lines(tq.double(), tk.double(), tv.double(), scale, visible).numpy()
     got = np.asarray(ours(), dtype=np.float64)
     limit = 2e-2 if dtype == "bfloat16" else 1e-4
     assert np.abs(got - expected).max() < limit * np.abs(expected).max(), name

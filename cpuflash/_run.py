@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
 from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
+from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
 from .kernels.decode import decode as decode_kernel, decode_int4, decode_plain
@@ -48,21 +49,13 @@ def attention(call, layout, key, out_given, return_lse):
                call.sinks)
     elif foldable(call):
         forward_folded(call, _schedule.sequence_table(1, call.n_k, call.batch), call.k, call.v)
+    elif rows_foldable(call, seqs := _schedule.sequence_table(call.n_q, call.n_k, call.batch)):
+        forward_folded_rows(call, seqs, call.k, call.v)
     else:
-        seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
         if key is not None and call.copy_back is None:
             _plans.put(key, Forward(call, layout, seqs))
         forward(call, seqs)
     return call.result(return_lse)
-
-
-def kvcache_again(key, q, k, v, cache_seqlens, return_lse, new_k, new_v, scales):
-    """`cpuflash.attention_with_kvcache`'s result when `key` found an earlier call's plan and
-    the checks that can fail for it pass (`decode_again`); else None (the full path)."""
-    setup = _plans.get(key)
-    if setup is None:
-        return None
-    return decode_again(setup, q, k, v, cache_seqlens, return_lse, new_k, new_v, scales)
 
 
 def kvcache(call, layout, key, return_lse):
@@ -90,6 +83,8 @@ def kvcache(call, layout, key, return_lse):
         seqs[:, SEQ_N_K] = call.n_keys
         if foldable(call):
             forward_folded(call, seqs, k, v)
+        elif rows_foldable(call, seqs):
+            forward_folded_rows(call, seqs, k, v)
         else:
             forward(call, seqs, (call.q, k, v, call.out_kernel, call.lse))
     return call.result(return_lse)
@@ -145,6 +140,84 @@ def forward_folded(call, seqs, k, v):
         window=(-1, -1), chunk=0, out_bhsd=out,
         tiles=folded_tiles(call, call.batch * call.n_kv_heads, group, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
+
+
+def rows_foldable(call, seqs):
+    """Whether a call of a few query rows a head on a GQA/MQA group (a chunk of a prefill
+    from a cache, speculative decoding's draft rows) runs as the FA-2 forward of its groups
+    (`forward_folded_rows`): a head's rows fill less than half a query tile, and a kv head's
+    keys are more than a thread keeps packed (`_layout.KEPT_BYTES`), so the FA-2 forward, a
+    head at a time, would pack each key block again for every head's few rows (below that,
+    the heads share the packed blocks and folding gains nothing: docs/performance.md, "Large
+    groups, MLA and top-k keys"). Every row must see its keys through the same steps (see
+    `foldable`), causal aside, and the kernels must compute in the output's dtype (float32
+    or float64: the two parts are merged from their unrounded outputs). `seqs`: the call's
+    sequence table (each sequence must have a key for every query row)."""
+    group = call.n_heads // call.n_kv_heads
+    if not (1 < call.n_q and group > 1):
+        return False
+    tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
+    n_keys = seqs[:, SEQ_N_K]
+    key_bytes = int(n_keys.max()) * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
+    return (2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES
+            and int(n_keys.min()) >= call.n_q
+            and call.half_kind == _call.NATIVE and not call.chunk
+            and call.window == ((-1, 0) if call.causal else (-1, -1))
+            and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
+            and not call.bias.size and not call.mask.size and not call.sinks.size
+            and call.user is _call.NO_USER_FUNCTIONS)
+
+
+def forward_folded_rows(call, seqs, k, v):
+    """A `rows_foldable` call as the FA-2 forward of its groups: row ``g * Nq + i`` of kv head
+    hk is query row i of head ``hk * group + g``, so a key block is packed once for the whole
+    group's rows. Causal, the rows differ only in the last ``Nq - 1`` keys of their sequence
+    (query row i, at the bottom right, sees keys ``0 .. n_k - Nq + i``): the folded rows
+    attend to keys ``0 .. n_k - Nq`` with no visibility rule, the heads' rows to the others
+    with causal's, and the two parts merge exactly (`_combine.merge_into`). `seqs`, `k`, `v`:
+    as `forward_folded` takes them."""
+    batch, n_heads, n_q, d = call.q.shape
+    n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
+    n_k = seqs[:, SEQ_N_K]
+    shared = n_k - n_q + 1 if call.causal else n_k  # the keys every row sees
+    parts = np.empty((2 if call.causal else 1, batch, n_heads, n_q, dv), call.compute_dtype)
+    part_lse = np.empty(parts.shape[:-1], call.compute_dtype)
+
+    folded_seqs = seqs.copy()
+    folded_seqs[:, SEQ_N_Q] = group * n_q
+    folded_seqs[:, SEQ_N_K] = shared
+    q = call.q.reshape(batch, n_kv, group * n_q, d)  # (a copy where the heads are apart)
+    out = parts[0].reshape(batch, n_kv, group * n_q, dv)
+    lse = part_lse[0].reshape(batch, n_kv, group * n_q)
+    folded = dataclasses.replace(
+        call, q=q, n_heads=n_kv, n_q=group * n_q, n_k=int(shared.max()), causal=False,
+        window=(-1, -1), out_bhsd=out,
+        tiles=_balanced_tiles(call, batch * n_kv, group * n_q, _threads.thread_count()))
+    forward(folded, folded_seqs, (q, k, v, out, lse))
+    if not call.causal:
+        call.out_kernel[...] = parts[0]
+        call.lse[...] = part_lse[0]
+        return
+    tail_seqs = seqs.copy()
+    tail_seqs[:, SEQ_K_START] += shared
+    tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
+    tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1])
+    forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
+    _combine.merge_into(parts, part_lse, call.out_kernel, call.lse)
+
+
+def _balanced_tiles(call, n_groups, rows, n_threads):
+    """Tiles for `n_groups` groups of `rows` query rows, as many a group as keep the threads
+    equally busy (three tiles on two threads would leave one idle a third of the time), no
+    larger than `tiling.choose_tiles` makes them. A row's arithmetic does not depend on its
+    tile, so neither do the results."""
+    tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
+    per_group = -(-rows // tiles.block_q)
+    for more in range(n_threads):
+        if n_groups * (per_group + more) % n_threads == 0:
+            per_group += more
+            break
+    return tiling.TileConfig(tiling.round_rows(-(-rows // per_group)), tiles.block_k)
 
 
 def folded_tiles(call, n_groups, group, n_threads):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from . import (_backward, _combine, _public, _quantize, _run, _schedule, _sparse,
+from . import (_backward, _combine, _plans, _public, _quantize, _run, _schedule, _sparse,
                _user_functions, _validate)
 
 
@@ -240,10 +240,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
         key = _run.plan_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,
                             chunk_size, softcap, layout, num_splits, return_lse, k, v)
-        result = _run.kvcache_again(key, q, k_data, v_data, cache_seqlens, return_lse, k, v,
-                                    scales)
-        if result is not None:
-            return result
+        setup = _plans.get(key)
+        if setup is not None:
+            result = _run.decode_again(setup, q, k_data, v_data, cache_seqlens, return_lse, k,
+                                       v, scales)
+            if result is not None:
+                return result
     call = _validate.kvcache_args(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,

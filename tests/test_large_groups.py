@@ -1,8 +1,9 @@
 """Decoding with large GQA/MQA groups (DeepSeek's absorbed MLA: 128 query heads on one latent
 head): the streaming kernel takes the group's heads as its rows, or, for bfloat16 where the FA-2
 tiles multiply pairs, the heads are folded into the query rows of one FA-2 tile
-(`_run.forward_folded`). Both routes against the dense reference, for every option they take,
-and the same bits for any thread count."""
+(`_run.forward_folded`); a few rows a head from a long cache fold the same way
+(`_run.forward_folded_rows`). The routes against the dense reference, for every option they
+take, and the same bits for any thread count."""
 
 import numba
 import numpy as np
@@ -58,6 +59,79 @@ def test_a_few_rows_a_head(rng, n_q, options):
     k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens + n_q,
                   **dict(dict(causal=True), **options))
+
+
+def rows_route(monkeypatch, kept_bytes=None):
+    """Record each call that folds its heads' rows (`_run.forward_folded_rows`); with
+    `kept_bytes`, as if a thread kept that many bytes of packed keys (0: every call of a few
+    rows a head folds, whatever its cache)."""
+    seen = []
+    real = _run.forward_folded_rows
+    monkeypatch.setattr(_run, "forward_folded_rows", lambda *a: seen.append(True) or real(*a))
+    if kept_bytes is not None:
+        monkeypatch.setattr(_run, "KEPT_BYTES", kept_bytes)
+    return seen
+
+
+@pytest.mark.parametrize("n_q", [9, 16])
+@pytest.mark.parametrize("options", [dict(), dict(softcap=20.0, scale=0.3), dict(causal=False)])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_rows_of_a_group_folded(rng, monkeypatch, n_q, options, layout):
+    """Chunked prefill from a cache (or draft tokens checked at once) with a group's heads
+    folded into one tile's rows: the keys every row sees folded, causal's last ones a head at
+    a time, the parts merged. Forced here for small caches; every batch entry's own length."""
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=32, hk=2, n_max=300,
+                                                     d=64, d_v=48, n_new=n_q, n_q=n_q,
+                                                     seqlens=[250, 3])
+    turn = (lambda x: np.ascontiguousarray(x.swapaxes(1, 2))) if layout == "bshd" else \
+        (lambda x: x.copy())
+    out, lse = cpuflash.attention_with_kvcache(
+        turn(q), turn(k_cache), turn(v_cache), k=turn(k), v=turn(v), cache_seqlens=seqlens,
+        return_lse=True, layout=layout, **options)
+    assert seen
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(turn(out), lse, q, k_cache, v_cache, seqlens + n_q,
+                  **dict(dict(causal=True), **options))
+
+
+def test_folded_rows_from_a_long_cache(rng, monkeypatch):
+    """Unforced: a kv head's keys beyond what a thread keeps packed fold, in both functions;
+    the bits do not depend on the thread count (the tiles of rows do)."""
+    seen = rows_route(monkeypatch)
+    q = rng.standard_normal((1, 16, 12, 64), dtype=np.float32)
+    k, v = (rng.standard_normal((1, 1, 8300, 64), dtype=np.float32) for _ in range(2))
+    before = numba.get_num_threads()
+    results = []
+    try:
+        for threads in sorted({1, 2, before}):
+            numba.set_num_threads(threads)
+            results.append(cpuflash.attention_with_kvcache(q, k, v, return_lse=True))
+    finally:
+        numba.set_num_threads(before)
+    assert len(seen) == len(results)
+    for other in results[1:]:
+        assert_same_bits(results[0], other)
+    out, lse = results[0]
+    assert_close_to_reference(out, q, k, v, lse=lse, causal=True)
+    out = cpuflash.attention(q, k, v, causal=True)
+    assert len(seen) == len(results) + 1
+    assert_close_to_reference(out, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("options", [
+    dict(sinks=np.linspace(-1, 1, 32, dtype=np.float32)), dict(window=(100, 0)),
+    dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)), dict(dtype="bfloat16")])
+def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    options = dict(options)
+    dtype = low_precision_dtype("bfloat16") if options.pop("dtype", None) else np.float32
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=32, hk=2, n_max=150, n_q=12,
+                                                     seqlens=[150], dtype=dtype)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **options)
+    assert not seen
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True,
+                  plain_dtype=None if dtype == np.float32 else dtype, **options)
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
