@@ -119,6 +119,21 @@ def test_folded_rows_from_a_long_cache(rng, monkeypatch):
     assert_close_to_reference(out, q, k, v, causal=True)
 
 
+def test_folded_rows_paged_and_values_inside_the_keys(rng, monkeypatch):
+    """The folded rows read gathered pages, and a latent cache whose values are its keys'
+    first columns (a chunk of an MLA prefill)."""
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    q = rng.standard_normal((2, 32, 12, 64)).astype(np.float32)
+    latent = rng.standard_normal((2, 1, 256, 64)).astype(np.float32)
+    seqlens = np.array([256, 70], np.int32)
+    order = rng.permutation(8).reshape(2, 4).astype(np.int32)
+    paged = cpuflash.attention_with_kvcache(q, to_pages(latent, 64, order), None,
+                                            cache_seqlens=seqlens, block_table=order,
+                                            value_dim=48)
+    assert seen
+    check_kvcache(paged, None, q, latent, latent[..., :48], seqlens, causal=True)
+
+
 @pytest.mark.parametrize("options", [
     dict(sinks=np.linspace(-1, 1, 32, dtype=np.float32)), dict(window=(100, 0)),
     dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)), dict(dtype="bfloat16")])
