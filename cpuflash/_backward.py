@@ -69,19 +69,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
         listed = _validate.key_indices_value(
             key_indices, call, np.full(call.batch, call.n_k),
             dict(alibi_slopes=alibi_slopes, bias=bias, mask=mask))
-        delta = _sparse.backward(call, grads, listed)
-        result = grads.result()
-        if call.sinks.size:
-            result += (_run_backward.sink_gradient(call.sinks, grads.lse, delta),)
-        return result
-    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
-    if key is not None and q.ndim == 4:
-        _plans.put(key, _run_backward.Backward(call, layout, seqs))
-    delta = _run_backward.backward(call, grads, seqs)
-    result = grads.result()
-    if call.sinks.size:
-        result += (_run_backward.sink_gradient(call.sinks, grads.lse, delta),)
-    return result
+        return _run_backward.result(call, grads, _sparse.backward(call, grads, listed))
+    return _run_backward.run(call, grads, layout, key if q.ndim == 4 else None)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,

@@ -83,6 +83,25 @@ def backward_again(setup, dout, q, k, v, out, lse, dq, dk, dv):
     return grads.user
 
 
+def run(call, grads, layout, key):
+    """Run a validated `cpuflash.attention_backward` call and return its gradients (`result`);
+    its plan is kept under `key` (`plan_key`) unless that is None."""
+    seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    if key is not None:
+        _plans.put(key, Backward(call, layout, seqs))
+    return result(call, grads, backward(call, grads, seqs))
+
+
+def result(call, grads, delta):
+    """What `cpuflash.attention_backward` returns once the kernel has written the gradients:
+    dq, dk, dv, and the sinks' gradient when the call has sinks (`delta`: the kernel's
+    ``rowsum(dout * out)``)."""
+    gradients = grads.result()
+    if call.sinks.size:
+        gradients += (sink_gradient(call.sinks, grads.lse, delta),)
+    return gradients
+
+
 def sink_gradient(sinks, lse, delta):
     """``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * delta[b, h, i]`` (float32):
     a sink adds ``exp(sink)`` to every denominator of its head, and nothing else."""
