@@ -494,12 +494,18 @@ def _notice_on_compile(dispatcher, done, name, key):
 COMPILE_TIME = "5-20 s"
 
 
+# what a kernel's first dtype stands for where it is not the user's: half-precision inputs
+# are read as their bits (one kernel serves both formats)
+_KERNEL_DTYPES = {"uint16": "float16/bfloat16"}
+
+
 def _tell_compiling(name, key):
     """One line on stderr, once per process, unless CPUFLASH_QUIET is set."""
     if _noticed.is_set() or os.environ.get("CPUFLASH_QUIET", "") not in ("", "0"):
         return
     _noticed.set()
     dtype = np.dtype(key[0] if isinstance(key, tuple) else key).name
+    dtype = _KERNEL_DTYPES.get(dtype, dtype)
     where = cache_location()[0]
     kept = f"cached in {where}" if where else "not cached: no fit folder, see the README's FAQ"
     print(f"cpuflash: compiling the {dtype} {name} kernel ({COMPILE_TIME} a kernel on 2 cores, "

@@ -150,9 +150,8 @@ def rows_foldable(call, seqs):
     head at a time, would pack each key block again for every head's few rows (below that,
     the heads share the packed blocks and folding gains nothing: docs/performance.md, "Large
     groups, MLA and top-k keys"). Every row must see its keys through the same steps (see
-    `foldable`), causal aside, and the kernels must compute in the output's dtype (float32
-    or float64: the two parts are merged from their unrounded outputs). `seqs`: the call's
-    sequence table (each sequence must have a key for every query row)."""
+    `foldable`), causal aside. `seqs`: the call's sequence table (each sequence must have a
+    key for every query row)."""
     group = call.n_heads // call.n_kv_heads
     if not (1 < call.n_q and group > 1):
         return False
@@ -161,8 +160,7 @@ def rows_foldable(call, seqs):
     key_bytes = int(n_keys.max()) * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
     return (2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES
             and int(n_keys.min()) >= call.n_q
-            and call.half_kind == _call.NATIVE and not call.chunk
-            and call.window == ((-1, 0) if call.causal else (-1, -1))
+            and not call.chunk and call.window == ((-1, 0) if call.causal else (-1, -1))
             and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
             and not call.bias.size and not call.mask.size and not call.sinks.size
             and call.user is _call.NO_USER_FUNCTIONS)
@@ -174,8 +172,9 @@ def forward_folded_rows(call, seqs, k, v):
     group's rows. Causal, the rows differ only in the last ``Nq - 1`` keys of their sequence
     (query row i, at the bottom right, sees keys ``0 .. n_k - Nq + i``): the folded rows
     attend to keys ``0 .. n_k - Nq`` with no visibility rule, the heads' rows to the others
-    with causal's, and the two parts merge exactly (`_combine.merge_into`). `seqs`, `k`, `v`:
-    as `forward_folded` takes them."""
+    with causal's, and the two parts merge exactly (`_combine.merge_into`), from outputs in the
+    compute dtype (half-precision ones are rounded once, merged). `seqs`, `k`, `v`: as
+    `forward_folded` takes them."""
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
@@ -194,16 +193,19 @@ def forward_folded_rows(call, seqs, k, v):
         window=(-1, -1), out_bhsd=out,
         tiles=_balanced_tiles(call, batch * n_kv, group * n_q, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
-    if not call.causal:
-        call.out_kernel[...] = parts[0]
+    merged = call.out_kernel if call.half_kind == _call.NATIVE else parts[0].copy()
+    if call.causal:
+        tail_seqs = seqs.copy()
+        tail_seqs[:, SEQ_K_START] += shared
+        tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
+        tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1])
+        forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
+        _combine.merge_into(parts, part_lse, merged, call.lse)
+    else:
+        merged[...] = parts[0]
         call.lse[...] = part_lse[0]
-        return
-    tail_seqs = seqs.copy()
-    tail_seqs[:, SEQ_K_START] += shared
-    tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
-    tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1])
-    forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
-    _combine.merge_into(parts, part_lse, call.out_kernel, call.lse)
+    if merged is not call.out_kernel:  # rounded to nearest even, as the kernels round
+        call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
 
 
 def _balanced_tiles(call, n_groups, rows, n_threads):
@@ -279,27 +281,32 @@ def forward(call, seqs, arrays=None, plan=None):
     v, out, lse) as the kernel takes them, in place of the call's; `plan`: the `Forward` that
     keeps the launch (`forward_again`)."""
     n_threads = _threads.thread_count()
+    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
     if plan is None:
-        launch = _forward_launch(call, seqs, n_threads)
+        launch = _forward_launch(call, seqs, n_threads, out.dtype)
     else:
         valid = (n_threads, tiling.choose_tiles, tiling.split_for_threads,
                  _threads.FORKED_AFTER_OPENMP)
-        launch = _plans.launch(plan, valid, lambda: _forward_launch(call, seqs, n_threads))
+        launch = _plans.launch(plan, valid,
+                               lambda: _forward_launch(call, seqs, n_threads, out.dtype))
     kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline = launch
-    q, k, v, out, lse = arrays or (call.q, call.k, call.v, call.out_kernel, call.lse)
     kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
            call.half_kind, *pipeline)
 
 
-def _forward_launch(call, seqs, n_threads):
+def _forward_launch(call, seqs, n_threads, out_dtype):
     """(kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline): the FA-2 kernel's
-    arguments that the call's shapes, options and the thread count decide."""
+    arguments that the call's shapes, options and the thread count decide (and the dtype of
+    the output it writes: the inputs', or the compute dtype for a part to merge)."""
     key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.chunk, call.head_dim,
            call.head_dim_v, call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
-    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(call.kernel_key())
+    key = call.kernel_key()
+    if out_dtype != call.q.dtype:
+        key += (out_dtype,)
+    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(key)
     return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
             call.kernel_pipeline())
 

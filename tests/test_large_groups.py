@@ -134,19 +134,30 @@ def test_folded_rows_paged_and_values_inside_the_keys(rng, monkeypatch):
     check_kvcache(paged, None, q, latent, latent[..., :48], seqlens, causal=True)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_folded_rows_in_half_precision(rng, monkeypatch, dtype, causal):
+    """The parts are computed and merged unrounded, the output rounded once."""
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    dtype = low_precision_dtype(dtype)
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=2, hq=32, hk=2, n_max=150, n_q=12,
+                                                     seqlens=[150, 40], dtype=dtype)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               causal=causal, return_lse=True)
+    assert seen and out.dtype == dtype
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=causal, plain_dtype=dtype)
+
+
 @pytest.mark.parametrize("options", [
     dict(sinks=np.linspace(-1, 1, 32, dtype=np.float32)), dict(window=(100, 0)),
-    dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)), dict(dtype="bfloat16")])
+    dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32))])
 def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
     seen = rows_route(monkeypatch, kept_bytes=0)
-    options = dict(options)
-    dtype = low_precision_dtype("bfloat16") if options.pop("dtype", None) else np.float32
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=32, hk=2, n_max=150, n_q=12,
-                                                     seqlens=[150], dtype=dtype)
+                                                     seqlens=[150])
     out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, return_lse=True, **options)
     assert not seen
-    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True,
-                  plain_dtype=None if dtype == np.float32 else dtype, **options)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True, **options)
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])

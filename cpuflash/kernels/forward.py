@@ -196,12 +196,15 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
 
 
 def _signature(key):
-    dtype, compute, user_types = key
+    """(dtype, compute dtype, user types[, out dtype]): `out` has the inputs' dtype unless the
+    key names another (the compute dtype: a part of a result to merge, never rounded)."""
+    dtype, compute, user_types = key[:3]
+    out = key[3] if len(key) > 3 else dtype
     data = array(dtype, 4, readonly=True)
     index2 = array(np.int64, 2, readonly=True)
     index1 = array(np.int64, 1, readonly=True)
     i8 = types.int64
-    return types.void(data, data, data, array(dtype, 4), array(compute, 3), index2, index2,
+    return types.void(data, data, data, array(out, 4), array(compute, 3), index2, index2,
                       index1, i8, i8, i8, i8, *_pipeline.kernel_types(compute, *user_types))
 
 
