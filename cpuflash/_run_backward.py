@@ -5,6 +5,8 @@ keeps what a repeated call can reuse (`_plans`), runs `kernels.backward.fa2_back
 the sinks' gradient and, for `flex_attention_backward`, the gradients of `score_args`.
 """
 
+import dataclasses
+
 import numba
 import numpy as np
 
@@ -87,9 +89,57 @@ def run(call, grads, layout, key):
     """Run a validated `cpuflash.attention_backward` call and return its gradients (`result`);
     its plan is kept under `key` (`plan_key`) unless that is None."""
     seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+    parts = head_parts(call)
+    if parts > 1:
+        return result(call, grads, _backward_in_parts(call, grads, seqs, parts))
     if key is not None:
         _plans.put(key, Backward(call, layout, seqs))
     return result(call, grads, backward(call, grads, seqs))
+
+
+# An MQA call's query heads are cut into parts of at least this many for the backward, into
+# at most this many work items of whole sequences (`head_parts`): constants, so that the bits
+# do not depend on the thread count. Each part packs the key blocks again: 8 parts of 8 heads
+# cost a one-thread call 0-20% more, 4 nothing measurable (docs/history.md, "Large groups")
+PART_MIN_HEADS = 8
+PART_MAX_ITEMS = 4
+
+
+def head_parts(call):
+    """How many parts the query heads of a call with one kv head (MQA) are cut into for the
+    backward: the fused scheme (`backward`) has one item per sequence and kv head, so a single
+    sequence on one kv head left every thread but one idle, or took the split scheme's seven
+    products for five. Each part's heads sum their dK and dV apart (`_backward_in_parts`);
+    float32 and float64 only (the parts are summed unrounded)."""
+    if not (call.n_kv_heads == 1 and call.half_kind == _call.NATIVE
+            and call.user is _call.NO_USER_FUNCTIONS):
+        return 1
+    parts = max(1, min(PART_MAX_ITEMS // max(1, call.batch), call.n_heads // PART_MIN_HEADS))
+    while call.n_heads % parts:
+        parts -= 1
+    return parts
+
+
+def _backward_in_parts(call, grads, seqs, parts):
+    """`backward` with the query heads cut into `parts` groups of one kv head each (the same
+    keys and values, read through a view), so that the fused scheme has `parts` items a
+    sequence; the parts' dK and dV are summed in their order. Returns `backward`'s delta."""
+    def repeated(x):  # (B, 1, N, D) as (B, parts, N, D), without a copy
+        view = np.lib.stride_tricks.as_strided(
+            x, (x.shape[0], parts) + x.shape[2:], (x.strides[0], 0) + x.strides[2:])
+        view.flags.writeable = False
+        return view
+
+    dq, dk, dv = grads.kernel
+    dk_parts = np.empty((dk.shape[0], parts) + dk.shape[2:], dk.dtype)
+    dv_parts = np.empty((dv.shape[0], parts) + dv.shape[2:], dv.dtype)
+    cut = dataclasses.replace(call, k=repeated(call.k), v=repeated(call.v), n_kv_heads=parts)
+    delta = backward(cut, dataclasses.replace(grads, kernel=(dq, dk_parts, dv_parts)), seqs)
+    for whole, each in ((dk, dk_parts), (dv, dv_parts)):
+        whole[...] = each[:, :1]
+        for part in range(1, parts):
+            whole += each[:, part:part + 1]
+    return delta
 
 
 def result(call, grads, delta):

@@ -303,6 +303,35 @@ def test_gqa_and_mqa(rng, hq, hk):
     check(rng, q, k, v, causal=True)
 
 
+@pytest.mark.parametrize("options", [dict(causal=True), dict(softcap=4.0, window=(50, 3)),
+                                     dict(sinks="per head", alibi_slopes="per head")])
+def test_mqa_heads_summed_in_parts(rng, restore_num_threads, monkeypatch, options):
+    """An MQA group's heads are cut into parts for the backward (`_run_backward.head_parts`),
+    whose dK and dV are summed: within the rule, dq and dsinks as uncut, the same bits for any
+    thread count."""
+    from cpuflash import _run_backward
+
+    options = {name: (rng.standard_normal(16).astype(np.float32) / 4 if value == "per head"
+                      else value) for name, value in options.items()}
+    q, k, v = random_qkv(rng, (2, 16, 90, 32), (2, 1, 120, 32), d_v=24)
+    cut = []
+    real = _run_backward._backward_in_parts
+    monkeypatch.setattr(_run_backward, "_backward_in_parts",
+                        lambda *a: cut.append(a[-1]) or real(*a))
+    results = []
+    for threads in sorted({1, 2, numba.config.NUMBA_NUM_THREADS}):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        results.append(check(np.random.default_rng(7), q, k, v, **options))
+    assert cut and set(cut) == {2}
+    for result in results[1:]:
+        assert_same_bits(result, results[0])
+    monkeypatch.setattr(_run_backward, "head_parts", lambda call: 1)
+    whole = check(np.random.default_rng(7), q, k, v, **options)
+    assert_same_bits(whole[0], results[0][0])  # dq: each head's own sum either way
+    if "sinks" in options:
+        assert_same_bits(whole[3], results[0][3])
+
+
 @pytest.mark.parametrize("shapes", [((70, 24), (90, 24)), ((2, 3, 4, 50, 24), (2, 3, 2, 70, 24))],
                          ids=["one_head", "two_leading_axes"])
 def test_leading_axes(rng, shapes):
