@@ -19,10 +19,10 @@ import cpuflash
 
 import runner  # bench/runner.py
 
-# (B, Hq, Hk, N, D, causal): the shapes of the backward's targets, and SmolLM2-135M's heads
-# (GQA 9/3: fewer kv heads than a many-core machine has threads)
+# (B, Hq, Hk, N, D, causal): the shapes of the backward's targets, SmolLM2-135M's heads
+# (GQA 9/3: fewer kv heads than a many-core machine has threads), and an MQA group
 CASES = [(1, 8, 8, 4096, 128, False), (1, 8, 8, 4096, 128, True), (1, 32, 8, 2048, 128, True),
-         (4, 8, 8, 512, 64, False), (1, 9, 3, 2048, 64, True)]
+         (4, 8, 8, 512, 64, False), (1, 9, 3, 2048, 64, True), (1, 32, 1, 2048, 128, True)]
 QUICK = [(1, 8, 8, 1024, 128, False), (1, 8, 8, 1024, 128, True)]
 
 
