@@ -123,15 +123,8 @@ def test_folded_rows_paged_and_values_inside_the_keys(rng, monkeypatch):
     """The folded rows read gathered pages, and a latent cache whose values are its keys'
     first columns (a chunk of an MLA prefill)."""
     seen = rows_route(monkeypatch, kept_bytes=0)
-    q = rng.standard_normal((2, 32, 12, 64)).astype(np.float32)
-    latent = rng.standard_normal((2, 1, 256, 64)).astype(np.float32)
-    seqlens = np.array([256, 70], np.int32)
-    order = rng.permutation(8).reshape(2, 4).astype(np.int32)
-    paged = cpuflash.attention_with_kvcache(q, to_pages(latent, 64, order), None,
-                                            cache_seqlens=seqlens, block_table=order,
-                                            value_dim=48)
+    paged_latent_call(rng, n_q=12)
     assert seen
-    check_kvcache(paged, None, q, latent, latent[..., :48], seqlens, causal=True)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -265,8 +258,10 @@ def test_value_dim_float_with_new_keys(rng, hq):
     check_kvcache(out, lse, q, expected, expected[..., :64], seqlens + 1, causal=True)
 
 
-def test_value_dim_paged_and_int8(rng):
-    q = rng.standard_normal((2, 32, 1, 64)).astype(np.float32)
+def paged_latent_call(rng, n_q):
+    """`n_q` rows a head of 32 heads on a paged latent cache whose values are its keys' first
+    48 columns, checked against the reference; returns (q, latent)."""
+    q = rng.standard_normal((2, 32, n_q, 64)).astype(np.float32)
     latent = rng.standard_normal((2, 1, 256, 64)).astype(np.float32)
     seqlens = np.array([256, 70], np.int32)
     order = rng.permutation(8).reshape(2, 4).astype(np.int32)
@@ -274,6 +269,11 @@ def test_value_dim_paged_and_int8(rng):
                                             cache_seqlens=seqlens, block_table=order,
                                             value_dim=48)
     check_kvcache(paged, None, q, latent, latent[..., :48], seqlens, causal=True)
+    return q, latent
+
+
+def test_value_dim_paged_and_int8(rng):
+    q, latent = paged_latent_call(rng, n_q=1)
     kq = cpuflash.quantize_kv(latent)
     new = rng.standard_normal((2, 1, 1, 64)).astype(np.float32)
     seqlens = np.array([100, 70], np.int32)
