@@ -49,12 +49,14 @@ def attention(call, layout, key, out_given, return_lse):
                call.sinks)
     elif foldable(call):
         forward_folded(call, _schedule.sequence_table(1, call.n_k, call.batch), call.k, call.v)
-    elif rows_foldable(call, seqs := _schedule.sequence_table(call.n_q, call.n_k, call.batch)):
-        forward_folded_rows(call, seqs, call.k, call.v)
     else:
-        if key is not None and call.copy_back is None:
-            _plans.put(key, Forward(call, layout, seqs))
-        forward(call, seqs)
+        seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
+        if rows_foldable(call, seqs):
+            forward_folded_rows(call, seqs, call.k, call.v)
+        else:
+            if key is not None and call.copy_back is None:
+                _plans.put(key, Forward(call, layout, seqs))
+            forward(call, seqs)
     return call.result(return_lse)
 
 
