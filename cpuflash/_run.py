@@ -175,8 +175,9 @@ def forward_folded_rows(call, seqs, k, v):
     (query row i, at the bottom right, sees keys ``0 .. n_k - Nq + i``): the folded rows
     attend to keys ``0 .. n_k - Nq`` with no visibility rule, the heads' rows to the others
     with causal's, and the two parts merge exactly (`_combine.merge_into`), from outputs in the
-    compute dtype (half-precision ones are rounded once, merged). `seqs`, `k`, `v`: as
-    `forward_folded` takes them."""
+    compute dtype (half-precision ones are rounded once, merged): the call's memory beside its
+    output is these two parts, of the output's shape. `seqs`, `k`, `v`: as `forward_folded`
+    takes them."""
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
