@@ -152,8 +152,8 @@ def rows_foldable(call, seqs):
     head at a time, would pack each key block again for every head's few rows (below that,
     the heads share the packed blocks and folding gains nothing: docs/performance.md, "Large
     groups, MLA and top-k keys"). Every row must see its keys through the same steps (see
-    `foldable`), causal aside. `seqs`: the call's sequence table (each sequence must have a
-    key for every query row)."""
+    `foldable`), causal aside (the sinks join after the merge). `seqs`: the call's sequence
+    table (each sequence must have a key for every query row)."""
     group = call.n_heads // call.n_kv_heads
     if not (1 < call.n_q and group > 1):
         return False
@@ -164,7 +164,7 @@ def rows_foldable(call, seqs):
             and int(n_keys.min()) >= call.n_q
             and not call.chunk and call.window == ((-1, 0) if call.causal else (-1, -1))
             and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
-            and not call.bias.size and not call.mask.size and not call.sinks.size
+            and not call.bias.size and not call.mask.size
             and call.user is _call.NO_USER_FUNCTIONS)
 
 
@@ -175,9 +175,9 @@ def forward_folded_rows(call, seqs, k, v):
     (query row i, at the bottom right, sees keys ``0 .. n_k - Nq + i``): the folded rows
     attend to keys ``0 .. n_k - Nq`` with no visibility rule, the heads' rows to the others
     with causal's, and the two parts merge exactly (`_combine.merge_into`), from outputs in the
-    compute dtype (half-precision ones are rounded once, merged): the call's memory beside its
-    output is these two parts, of the output's shape. `seqs`, `k`, `v`: as `forward_folded`
-    takes them."""
+    compute dtype (half-precision ones are rounded once, merged, the sinks joined): the call's
+    memory beside its output is these two parts, of the output's shape. `seqs`, `k`, `v`: as
+    `forward_folded` takes them."""
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
@@ -191,9 +191,10 @@ def forward_folded_rows(call, seqs, k, v):
     q = call.q.reshape(batch, n_kv, group * n_q, d)  # (a copy where the heads are apart)
     out = parts[0].reshape(batch, n_kv, group * n_q, dv)
     lse = part_lse[0].reshape(batch, n_kv, group * n_q)
+    no_sinks = call.sinks[:0]  # (joined to the merged rows: a head's sink is not a row's)
     folded = dataclasses.replace(
         call, q=q, n_heads=n_kv, n_q=group * n_q, n_k=int(shared.max()), causal=False,
-        window=(-1, -1), out_bhsd=out,
+        window=(-1, -1), out_bhsd=out, sinks=no_sinks,
         tiles=_balanced_tiles(call, batch * n_kv, group * n_q, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
     merged = call.out_kernel if call.half_kind == _call.NATIVE else parts[0].copy()
@@ -201,12 +202,14 @@ def forward_folded_rows(call, seqs, k, v):
         tail_seqs = seqs.copy()
         tail_seqs[:, SEQ_K_START] += shared
         tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
-        tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1])
+        tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1], sinks=no_sinks)
         forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
         _combine.merge_into(parts, part_lse, merged, call.lse)
     else:
         merged[...] = parts[0]
         call.lse[...] = part_lse[0]
+    if call.sinks.size:
+        merged[...], call.lse[...] = _combine.add_sinks(merged, call.lse, call.sinks)
     if merged is not call.out_kernel:  # rounded to nearest even, as the kernels round
         call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
 
