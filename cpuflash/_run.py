@@ -152,41 +152,57 @@ def rows_foldable(call, seqs):
     head at a time, would pack each key block again for every head's few rows (below that,
     the heads share the packed blocks and folding gains nothing: docs/performance.md, "Large
     groups, MLA and top-k keys"). Every row must see its keys through the same steps (see
-    `foldable`), causal aside (the sinks join after the merge). `seqs`: the call's sequence
-    table (each sequence must have a key for every query row)."""
+    `foldable`), causal aside (the sinks join after the merge; with `chunk_size`, each
+    sequence's rows must lie in one chunk). `seqs`: the call's sequence table (each sequence
+    must have a key for every query row)."""
     group = call.n_heads // call.n_kv_heads
     if not (1 < call.n_q and group > 1):
         return False
     tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
     n_keys = seqs[:, SEQ_N_K]
-    key_bytes = int(n_keys.max()) * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
+    if int(n_keys.min()) < call.n_q:
+        return False
+    first = _chunk_start(call, n_keys)
+    if call.chunk and np.any((n_keys - 1) // call.chunk * call.chunk != first):
+        return False  # a sequence's rows in two chunks see different keys
+    key_bytes = int((n_keys - first).max()) * (call.head_dim + call.head_dim_v) \
+        * call.compute_dtype.itemsize
     return (2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES
-            and int(n_keys.min()) >= call.n_q
-            and not call.chunk and call.window == ((-1, 0) if call.causal else (-1, -1))
+            and call.window == ((-1, 0) if call.causal else (-1, -1))
             and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
             and not call.bias.size and not call.mask.size
             and call.user is _call.NO_USER_FUNCTIONS)
+
+
+def _chunk_start(call, n_keys):
+    """Each sequence's first key its first query row sees by `chunk_size` (0 without one)."""
+    if not call.chunk:
+        return np.zeros_like(n_keys)
+    return (n_keys - call.n_q) // call.chunk * call.chunk
 
 
 def forward_folded_rows(call, seqs, k, v):
     """A `rows_foldable` call as the FA-2 forward of its groups: row ``g * Nq + i`` of kv head
     hk is query row i of head ``hk * group + g``, so a key block is packed once for the whole
     group's rows. Causal, the rows differ only in the last ``Nq - 1`` keys of their sequence
-    (query row i, at the bottom right, sees keys ``0 .. n_k - Nq + i``): the folded rows
-    attend to keys ``0 .. n_k - Nq`` with no visibility rule, the heads' rows to the others
-    with causal's, and the two parts merge exactly (`_combine.merge_into`), from outputs in the
+    (query row i, at the bottom right, sees keys ``c .. n_k - Nq + i``, c the start of their
+    chunk, 0 without `chunk_size`): the folded rows attend to keys ``c .. n_k - Nq`` with no
+    visibility rule, the heads' rows to the others with causal's, and the two parts merge
+    exactly (`_combine.merge_into`), from outputs in the
     compute dtype (half-precision ones are rounded once, merged, the sinks joined): the call's
     memory beside its output is these two parts, of the output's shape. `seqs`, `k`, `v`: as
     `forward_folded` takes them."""
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
-    shared = n_k - n_q + 1 if call.causal else n_k  # the keys every row sees
+    first = _chunk_start(call, n_k)
+    shared = (n_k - n_q + 1 if call.causal else n_k) - first  # the keys every row sees
     parts = np.empty((2 if call.causal else 1, batch, n_heads, n_q, dv), call.compute_dtype)
     part_lse = np.empty(parts.shape[:-1], call.compute_dtype)
 
     folded_seqs = seqs.copy()
     folded_seqs[:, SEQ_N_Q] = group * n_q
+    folded_seqs[:, SEQ_K_START] += first
     folded_seqs[:, SEQ_N_K] = shared
     q = call.q.reshape(batch, n_kv, group * n_q, d)  # (a copy where the heads are apart)
     out = parts[0].reshape(batch, n_kv, group * n_q, dv)
@@ -194,15 +210,16 @@ def forward_folded_rows(call, seqs, k, v):
     no_sinks = call.sinks[:0]  # (joined to the merged rows: a head's sink is not a row's)
     folded = dataclasses.replace(
         call, q=q, n_heads=n_kv, n_q=group * n_q, n_k=int(shared.max()), causal=False,
-        window=(-1, -1), out_bhsd=out, sinks=no_sinks,
+        window=(-1, -1), chunk=0, out_bhsd=out, sinks=no_sinks,
         tiles=_balanced_tiles(call, batch * n_kv, group * n_q, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
     merged = call.out_kernel if call.half_kind == _call.NATIVE else parts[0].copy()
     if call.causal:
         tail_seqs = seqs.copy()
-        tail_seqs[:, SEQ_K_START] += shared
+        tail_seqs[:, SEQ_K_START] += first + shared
         tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
-        tail = dataclasses.replace(call, n_k=n_q - 1, out_bhsd=parts[1], sinks=no_sinks)
+        tail = dataclasses.replace(call, n_k=n_q - 1, chunk=0, out_bhsd=parts[1],
+                                   sinks=no_sinks)
         forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
         _combine.merge_into(parts, part_lse, merged, call.lse)
     else:

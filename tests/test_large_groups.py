@@ -75,7 +75,8 @@ def rows_route(monkeypatch, kept_bytes=None):
 
 @pytest.mark.parametrize("n_q", [9, 16])
 @pytest.mark.parametrize("options", [dict(), dict(softcap=20.0, scale=0.3), dict(causal=False),
-                                     dict(sinks=np.linspace(-2, 2, 32, dtype=np.float32))])
+                                     dict(sinks=np.linspace(-2, 2, 32, dtype=np.float32)),
+                                     dict(chunk_size=100), dict(chunk_size=100, causal=False)])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_rows_of_a_group_folded(rng, monkeypatch, n_q, options, layout):
     """Chunked prefill from a cache (or draft tokens checked at once) with a group's heads
@@ -143,7 +144,8 @@ def test_folded_rows_in_half_precision(rng, monkeypatch, dtype, causal):
 
 
 @pytest.mark.parametrize("options", [
-    dict(window=(100, 0)), dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32))])
+    dict(window=(100, 0)), dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)),
+    dict(chunk_size=140)])  # (rows at 138 .. 149: two chunks)
 def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
     seen = rows_route(monkeypatch, kept_bytes=0)
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=1, hq=32, hk=2, n_max=150, n_q=12,
