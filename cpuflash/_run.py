@@ -102,9 +102,16 @@ def foldable(call):
     through the same steps: no step that depends on the head or the row (ALiBi, bias, mask,
     sinks, the user's functions), and an unquantized cache."""
     return (call.n_q == 1 and call.n_heads // call.n_kv_heads > tiling.DECODE_MAX_ROWS
-            and call.half_kind == BFLOAT16 and FORWARD_PAIRS
-            and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
-            and not call.bias.size and not call.mask.size and not call.sinks.size
+            and call.half_kind == BFLOAT16 and FORWARD_PAIRS and not call.sinks.size
+            and _rows_alike(call))
+
+
+def _rows_alike(call):
+    """Whether every query row of a call sees its keys through the same steps, whatever its
+    head and row (visibility aside): no ALiBi, bias, mask or user function, no tiles of the
+    caller's, and an unquantized cache (the folded routes' FA-2 kernel reads float keys)."""
+    return (call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
+            and not call.bias.size and not call.mask.size
             and call.user is _call.NO_USER_FUNCTIONS)
 
 
@@ -122,9 +129,7 @@ def forward_folded(call, seqs, k, v):
     last = n_k - 1  # the key under the row
     left = call.window[0]
     lo = np.maximum(0, last - left) if left >= 0 else np.zeros_like(n_k)
-    if call.chunk:
-        lo = np.maximum(lo, last // call.chunk * call.chunk)
-    lo = np.minimum(lo, n_k)
+    lo = np.minimum(np.maximum(lo, _chunk_start(call, n_k)), n_k)
     folded_seqs = seqs.copy()
     folded_seqs[:, SEQ_N_Q] = group
     folded_seqs[:, SEQ_K_START] += lo
@@ -168,10 +173,7 @@ def rows_foldable(call, seqs):
     key_bytes = int((n_keys - first).max()) * (call.head_dim + call.head_dim_v) \
         * call.compute_dtype.itemsize
     return (2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES
-            and call.window == ((-1, 0) if call.causal else (-1, -1))
-            and call.quantized is None and call.tiles is None and call.alibi.shape[1] == 0
-            and not call.bias.size and not call.mask.size
-            and call.user is _call.NO_USER_FUNCTIONS)
+            and call.window == ((-1, 0) if call.causal else (-1, -1)) and _rows_alike(call))
 
 
 def _chunk_start(call, n_keys):
@@ -326,10 +328,10 @@ def _forward_launch(call, seqs, n_threads, out_dtype):
            tiling.split_for_threads)
     tiles, key_align, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
-    key = call.kernel_key()
+    kernel_key = call.kernel_key()
     if out_dtype != call.q.dtype:
-        key += (out_dtype,)
-    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(key)
+        kernel_key += (out_dtype,)
+    kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(kernel_key)
     return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
             call.kernel_pipeline())
 
