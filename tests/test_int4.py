@@ -161,16 +161,18 @@ def test_modifiers_groups_and_head_dims(rng, d, d_v, group_size, hq, hk):
     check_modified_decoding(rng, q, kc, vc)
 
 
-def test_nonfinite_groups_reach_only_the_rows_that_see_them(rng):
-    k_cache = rng.standard_normal((2, 1, 64, 32)).astype(np.float32)
-    v_cache = rng.standard_normal((2, 1, 64, 32)).astype(np.float32)
+@pytest.mark.parametrize("group_size", [16, 32])  # (32: read in place, `kernels._int4`)
+def test_nonfinite_groups_reach_only_the_rows_that_see_them(rng, group_size):
+    k_cache = rng.standard_normal((2, 1, 64, 64)).astype(np.float32)
+    v_cache = rng.standard_normal((2, 1, 64, 64)).astype(np.float32)
     v_cache[:, :, 3, 0] = np.inf  # outside a window of 20 from position 63 in entry 0
-    kc, vc = int4(k_cache, 16), int4(v_cache, 16)
-    q = rng.standard_normal((2, 2, 2, 32)).astype(np.float32)
+    kc, vc = int4(k_cache, group_size), int4(v_cache, group_size)
+    q = rng.standard_normal((2, 2, 2, 64)).astype(np.float32)
     out = cpuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([64, 10]),
                                           window=(20, 0))
     assert np.all(np.isfinite(out[0]))
-    assert np.all(np.isnan(out[1, :, :, :16])) and np.all(np.isfinite(out[1, :, :, 16:]))
+    assert np.all(np.isnan(out[1, :, :, :group_size]))
+    assert np.all(np.isfinite(out[1, :, :, group_size:]))
 
 
 def test_a_repeated_call_takes_the_plan_and_gives_the_same_bits(rng):

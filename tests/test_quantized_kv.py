@@ -38,8 +38,11 @@ def quantized(rng, fmt, shape, spread=True):
 
 
 def quantize(x, fmt):
-    """`quantize_kv` in `fmt`; int4 in groups of 16 (they divide every head dim used here)."""
-    return quantize_kv(x, fmt, group_size=16) if fmt == "int4" else quantize_kv(x, fmt)
+    """`quantize_kv` in `fmt`; "int4" in groups of 16 (they divide every head dim used here),
+    "int4-32" in groups of 32 (whole units of two AVX-512 vectors: read in place, `_int4`)."""
+    if fmt.startswith("int4"):
+        return quantize_kv(x, "int4", group_size=32 if fmt == "int4-32" else 16)
+    return quantize_kv(x, fmt)
 
 
 def written(kq, new, seqlens, fmt):
@@ -224,13 +227,14 @@ def test_modifiers_gqa_and_head_dims(rng, fmt, d, d_v, hq, hk):
     check_modified_decoding(rng, q, kc, vc)
 
 
-@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
+@pytest.mark.parametrize("fmt", FORMATS + ["int4", "int4-32"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("n_q", [1, 40], ids=["decode", "chunked prefill"])
 def test_paged_layouts_and_chunked_prefill(rng, fmt, layout, n_q):
     """Pages shuffled across the batch, new keys written into them, in both layouts; 40 query
     rows (chunked prefill) stay in the decode kernel, which reads the rows in place."""
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
+                                                    d_v=64 if fmt == "int4-32" else 48,
                                                     seqlens=[5, 200, 280 - n_q])
     table = rng.permutation(3 * 20).reshape(3, 20).astype(np.int32)  # shuffled pages of 16
     kc, vc = (quantize(to_pages(c, 16, table), fmt) for c in (k_cache, v_cache))
@@ -263,7 +267,7 @@ def test_paged_layouts_and_chunked_prefill(rng, fmt, layout, n_q):
     check_kvcache(out, lse, q, *references, seqlens + n_q, causal=True, **kwargs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
+@pytest.mark.parametrize("fmt", FORMATS + ["int4", "int4-32"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_queries(rng, fmt, dtype):
     dtype = low_precision_dtype(dtype)
@@ -279,7 +283,7 @@ def test_half_precision_queries(rng, fmt, dtype):
         np.float16).eps if dtype == np.float16 else 2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt", FORMATS + ["int4"])
+@pytest.mark.parametrize("fmt", FORMATS + ["int4", "int4-32"])
 def test_results_do_not_depend_on_the_thread_count(rng, fmt):
     q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=5, n_max=700, d=64, d_v=64,
                                                     seqlens=[700, 0, 350, 1, 697])
@@ -401,6 +405,7 @@ def test_new_keys_land_in_caches_of_any_memory(rng, fmt, memory, n_q):
     """Unaligned scales, strided data and scales: the new rows and scales are written into the
     caller's arrays, and attended to (twice: the second call may take the first one's plan)."""
     q, k_cache, v_cache, k, v, seqlens = cache_case(rng, n_max=320, n_q=n_q, n_new=n_q,
+                                                    d_v=64 if fmt == "int4-32" else 48,
                                                     seqlens=[5, 200, 280 - n_q])
     kc, vc = (QuantizedKV(memory(c.data), memory(c.scale[..., None])[..., 0])
               for c in (quantized(rng, fmt, k_cache.shape), quantized(rng, fmt, v_cache.shape)))

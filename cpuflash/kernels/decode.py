@@ -43,9 +43,9 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
-from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vmul, vsplat,
-                     vstore, vstore_hsums, vsub, vzeros)
-from . import _layout, _pipeline, _products, _steps, _user
+from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vload_i4_high,
+                     vload_i4_low, vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
+from . import _int4, _layout, _pipeline, _products, _steps, _user
 from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
 
 
@@ -149,7 +149,7 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
     row_sum = np.empty(rows, dtype=like.dtype)
     alpha = np.empty(rows, dtype=like.dtype)
     max_runs = block_k // page_size + 2
-    runs = np.zeros((5, max_runs + 1), dtype=np.int64)
+    runs = np.zeros((7, max_runs + 1), dtype=np.int64)  # (5, 6: an int4 cache's scale starts)
     return (q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs)
 
 
@@ -195,6 +195,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     v_step = v_cache.strides[2] // v_cache.itemsize
     if not direct:  # a widened copy is one run of rows in its buffer
         k_step, v_step = k_rows.shape[1], v_tile.shape[1]
+    # an int4 cache read in place keeps q's columns and acc's in `_int4`'s unit order
+    fused = _int4.fused(k_cache, v_cache, k_scale, v_scale, _layout.lanes(acc)) if INT4 else False
 
     for item in range(first, last):
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
@@ -211,6 +213,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half_kind)
+        if INT4:
+            if fused:
+                _int4.permute_rows(q_rows, rows, d, k_rows[0])
 
         for kb in range(k_lo, k_hi, block_k):
             cols = min(block_k, k_hi - kb)
@@ -228,13 +233,12 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                 _dot_rows(q_rows, k_cache, (run_cols, k_starts, n_runs, k_step), scores, rows,
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), True,
                           next_starts[0] if n_next else NOTHING_NEXT)
+            elif INT4:
+                n_runs = _int4_scores(q_rows, k_cache, v_cache, scales, block_table, b, hk, kb,
+                                      cols, page_size, runs, k_rows, scores, rows, fused)
             else:
                 n_runs = _one_run(cols, run_cols, k_starts, v_starts)
-                if INT4:
-                    _int4_rows(k_cache, k_scale, block_table, b, hk, kb, cols, page_size, k_rows)
-                else:
-                    _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows,
-                                half_kind)
+                _widen_rows(k_cache, block_table, b, hk, kb, cols, page_size, k_rows, half_kind)
                 _dot_rows(q_rows, k_rows, (run_cols, k_starts, n_runs, k_step), scores, rows,
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), False,
                           NOTHING_NEXT)
@@ -273,17 +277,24 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             if direct:
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
                          rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), seen)
+            elif INT4:
+                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
+                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
+                                     next_starts) if fused else 0
+                _int4_values(scores, v_cache, v_scale, block_table, b, hk, kb, cols, page_size,
+                             runs, n_runs, v_tile, acc, alpha, rows, seen, fused,
+                             (k_cache, (next_cols, next_starts, n_next, k_cache.strides[2])))
             else:
-                if INT4:
-                    _int4_rows(v_cache, v_scale, block_table, b, hk, kb, cols, page_size, v_tile)
-                else:
-                    _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile,
-                                half_kind)
+                n_runs = _one_run(cols, run_cols, k_starts, v_starts)
+                _widen_rows(v_cache, block_table, b, hk, kb, cols, page_size, v_tile, half_kind)
                 _pv_rows(scores, v_tile, (run_cols, v_starts, n_runs, v_step), v_tile.shape[1],
                          acc, alpha, rows, half_kind, k_cache, (next_cols, next_starts, 0, k_step),
                          seen)
 
         # -- this split's normalized rows and their log-sum-exp
+        if INT4:
+            if fused:
+                _int4.unpermute(acc, rows, acc.shape[1], k_rows[0])
         for g in range(group):
             top = g * n_q
             _finish_rows(acc[top:], row_max[top:], row_sum[top:], n_q, -np.inf, part_out[split],
@@ -370,10 +381,11 @@ def _widen_rows(cache, block_table, b, h, start, cols, page_size, dst, half_kind
 
 
 @jit_borrowing
-def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst):
+def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst, unit_order):
     """Rows start .. start + cols of an int4 cache (batch b, head h) into the float32 rows of
-    `dst`: each number times its group's scale, the bits of `_quantize.dequantize_rows`. A
-    vector of numbers at a time where a group is whole vectors, else number by number."""
+    `dst`: each number times its group's scale, the bits of `_quantize.dequantize_rows`, in the
+    row's order, or in `_int4`'s unit order with `unit_order`. A vector of numbers at a time
+    where a group is whole vectors, else number by number."""
     n_groups = scale.shape[3]
     d = 2 * cache.shape[3]
     size = d // n_groups
@@ -387,7 +399,15 @@ def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst):
         elif c:
             row += 1
         page = block_table[b, index]
-        if vectors:
+        if unit_order:  # (whole units in each group: `_int4.fused`)
+            o = row_offset(cache, page, h, row)
+            for g in range(n_groups):
+                factor = vsplat(scale[page, h, row, g], dst)
+                for x in range(g * size, (g + 1) * size, 2 * n):
+                    vstore(dst, c * stride + x, vmul(vload_i4_low(cache, o + x // 2), factor))
+                    vstore(dst, c * stride + x + n, vmul(vload_i4_high(cache, o + x // 2),
+                                                         factor))
+        elif vectors:
             o = row_offset(cache, page, h, row)
             for g in range(n_groups):
                 factor = vsplat(scale[page, h, row, g], dst)
@@ -400,6 +420,72 @@ def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst):
                 if number > 7:  # the nibble's sign bit
                     number -= 16
                 dst[c, x] = np.float32(number) * scale[page, h, row, x // size]
+
+
+@jit_borrowing
+def _int4_scores(q_rows, k_cache, v_cache, scales, block_table, b, h, start, cols, page_size,
+                 runs, k_rows, scores, rows, fused):
+    """S = Q K^T over a block of an int4 cache: read in place where `fused` (`_int4.dot_rows`;
+    q_rows in unit order, the block's value rows prefetched meanwhile), else through float32
+    copies of its rows in `k_rows`. Returns the block's number of runs, `runs` rows 1 and 5
+    (2 and 6) filled with the starts of the key (value) rows and of their scales where
+    `fused`."""
+    k_scale, v_scale = scales
+    run_cols, starts = runs[0], runs[1]
+    if fused:
+        n_runs = _block_runs(k_cache, block_table, b, h, start, cols, page_size, run_cols,
+                             starts)
+        _block_runs(v_cache, block_table, b, h, start, cols, page_size, run_cols, runs[2])
+        _block_runs(k_scale, block_table, b, h, start, cols, page_size, run_cols, runs[5])
+        _block_runs(v_scale, block_table, b, h, start, cols, page_size, run_cols, runs[6])
+        size = 2 * k_cache.shape[3] // k_scale.shape[3]
+        _int4.dot_rows(q_rows, k_cache, k_scale, (run_cols, starts, n_runs, k_cache.strides[2]),
+                       (runs[5], _row_step(k_scale), _group_step(k_scale), size), scores, rows,
+                       (v_cache, runs[2], v_cache.strides[2], v_scale, runs[6],
+                        _row_step(v_scale)))
+        return n_runs
+    n_runs = _one_run(cols, run_cols, starts, runs[2])
+    _int4_rows(k_cache, k_scale, block_table, b, h, start, cols, page_size, k_rows, False)
+    own = (run_cols, starts, n_runs, k_rows.shape[1])
+    _dot_rows(q_rows, k_rows, own, scores, rows, 0, k_rows, own, False, NOTHING_NEXT)
+    return n_runs
+
+
+@jit_borrowing
+def _row_step(scale):
+    """Elements from one row's scales to the next row's in an int4 cache's scales."""
+    return scale.strides[2] // scale.itemsize
+
+
+@jit_borrowing
+def _group_step(scale):
+    """Elements from one group's scale to the next one's in an int4 cache's scales."""
+    return scale.strides[3] // scale.itemsize
+
+
+@jit_borrowing
+def _int4_values(scores, v_cache, v_scale, block_table, b, h, start, cols, page_size, runs,
+                 n_runs, v_tile, acc, alpha, rows, seen, fused, later):
+    """acc = alpha * acc + P V over a block of an int4 cache: read in place where `fused`
+    (`_int4.pv_rows`; acc in unit order; `runs` as `_int4_scores` left them) unless some row
+    may not see some key and a value row is not finite (`_pv_rows`' careful route), else
+    through float32 copies of its rows in `v_tile` (in unit order where `fused`). `later`:
+    the next block's key rows (`_int4.pv_rows`)."""
+    run_cols, starts = runs[0], runs[2]
+    if fused:
+        size = 2 * v_cache.shape[3] // v_scale.shape[3]
+        value_runs = (run_cols, starts, n_runs, v_cache.strides[2])
+        scale_runs = (runs[6], _row_step(v_scale), _group_step(v_scale), size)
+        if not seen[0] or _int4.finite_scales(v_scale, scale_runs, value_runs,
+                                              v_scale.shape[3], acc):
+            _int4.pv_rows(scores, v_cache, v_scale, value_runs, scale_runs, 2 * v_cache.shape[3],
+                          acc, alpha, rows, later)
+            return
+    n_runs = _one_run(cols, run_cols, runs[1], starts)
+    _int4_rows(v_cache, v_scale, block_table, b, h, start, cols, page_size, v_tile, fused)
+    own = (run_cols, starts, n_runs, v_tile.shape[1])
+    _pv_rows(scores, v_tile, own, v_tile.shape[1], acc, alpha, rows, 0, v_tile,
+             (run_cols, starts, 0, v_tile.shape[1]), seen)
 
 
 @jit_borrowing
