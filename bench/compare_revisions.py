@@ -40,8 +40,8 @@ def _slopes():
 # bench/test_bench_features.py, a dense short-key case (each row sees 256 keys, as a window of
 # 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
 # with a float16 cache, with D=64, with groups of one and two query heads per KV head, paged
-# (pages of 16 and 256 rows, shuffled), and with int8 and float8_e4m3 caches (a dtype named by
-# its `cpuflash.quantize_kv` format) too
+# (pages of 16 and 256 rows, shuffled), and with int8, float8_e4m3 and int4 (groups of 32) caches
+# (a dtype named by its `cpuflash.quantize_kv` format) too
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -61,6 +61,8 @@ CASES = {
     "decode-int8": (1, 16384, {}, 32, 8, HEAD_DIM, "int8"),
     "decode-mha-int8": (1, 16384, {}, 8, 8, HEAD_DIM, "int8"),
     "decode-e4m3": (1, 16384, {}, 32, 8, HEAD_DIM, "float8_e4m3"),
+    "decode-int4": (1, 16384, {}, 32, 8, HEAD_DIM, "int4"),
+    "decode-mha-int4": (1, 16384, {}, 8, 8, HEAD_DIM, "int4"),
 }
 
 
@@ -91,7 +93,7 @@ def _call(package, name, q, k, v, options):
 
 def _caches(package, k, v, dtype):
     """k and v as `package` takes them: quantized by its own `quantize_kv` where `dtype` names
-    an 8-bit format (each revision's `QuantizedKV` is a class of its own)."""
+    a quantized format (each revision's `QuantizedKV` is a class of its own)."""
     if isinstance(dtype, str):
         return package.quantize_kv(k, dtype), package.quantize_kv(v, dtype)
     return k, v
