@@ -146,11 +146,13 @@ def test_decode_writes_quantized_keys_and_attends(rng, num_splits):
 
 
 @pytest.mark.parametrize("d,d_v,group_size,hq,hk", [
-    (64, 64, 32, 8, 2), (128, 128, 32, 32, 8), (128, 64, 128, 4, 1), (40, 24, 8, 6, 2),
-    (20, 30, 5 , 6, 3), (48, 48, 16, 2, 2)], ids=str)
+    (64, 64, 32, 8, 2), (128, 128, 32, 32, 8), (128, 64, 128, 4, 1), (32, 96, 32, 20, 4),
+    (40, 24, 8, 6, 2), (20, 30, 5 , 6, 3), (48, 48, 16, 2, 2)], ids=str)
 def test_modifiers_groups_and_head_dims(rng, d, d_v, group_size, hq, hk):
-    """Groups of whole vectors (read a vector at a time) and of a few numbers (one at a
-    time), GQA groups of 1 to 4 rows, with a window, softcap, ALiBi and sinks."""
+    """Groups of whole units of two vectors (read in place, `kernels._int4`: one unit and an odd
+    number of them too), of whole vectors and of a few numbers (turned into float32 rows a
+    vector or a number at a time), GQA groups of 1 to 5 rows, with a window, softcap, ALiBi
+    and sinks."""
     batch, n_max = 2, 333
     q = rng.standard_normal((batch, hq, 1, d)).astype(np.float32)
     spread = rng.uniform(0.1, 4.0, (batch, hk, n_max, 1)).astype(np.float32)
