@@ -17,7 +17,7 @@ are so.
 
 from .. import _jit
 from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_high,
-                     vload_i4_low, vmul, vstore_hsums, vsub, vzeros)
+                     vload_i4_low, vmul, vsub, vzeros)
 from . import _layout
 from ._convert import contiguous_rows
 
@@ -83,6 +83,15 @@ def _fma_unit(qs, ys, acc):
 
 
 @jit_borrowing
+def _row_units(q_rows, o, ys, a0, a1, a2, a3):
+    """A query row's unit at flat o of `q_rows` times four keys' units `ys`, added to their
+    accumulators a0 .. a3."""
+    qs = (vload(q_rows, o), vload(q_rows, o + _layout.lanes(q_rows)))
+    return (_fma_unit(qs, ys[0], a0), _fma_unit(qs, ys[1], a1), _fma_unit(qs, ys[2], a2),
+            _fma_unit(qs, ys[3], a3))
+
+
+@jit_borrowing
 def _row_starts(r, count, stride):
     """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
     last = r + count - 1
@@ -132,32 +141,17 @@ def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
                     y1 = _unit(data, k + step + x // 2, scale, g + s_step)
                     y2 = _unit(data, k + 2 * step + x // 2, scale, g + 2 * s_step)
                     y3 = _unit(data, k + 3 * step + x // 2, scale, g + 3 * s_step)
-                    qs = (vload(q_rows, q0 + x), vload(q_rows, q0 + x + n))
-                    s00, s01 = _fma_unit(qs, y0, s00), _fma_unit(qs, y1, s01)
-                    s02, s03 = _fma_unit(qs, y2, s02), _fma_unit(qs, y3, s03)
+                    ys = (y0, y1, y2, y3)
+                    s00, s01, s02, s03 = _row_units(q_rows, q0 + x, ys, s00, s01, s02, s03)
                     if count > 1:
-                        qs = (vload(q_rows, q1 + x), vload(q_rows, q1 + x + n))
-                        s10, s11 = _fma_unit(qs, y0, s10), _fma_unit(qs, y1, s11)
-                        s12, s13 = _fma_unit(qs, y2, s12), _fma_unit(qs, y3, s13)
+                        s10, s11, s12, s13 = _row_units(q_rows, q1 + x, ys, s10, s11, s12, s13)
                     if count > 2:
-                        qs = (vload(q_rows, q2 + x), vload(q_rows, q2 + x + n))
-                        s20, s21 = _fma_unit(qs, y0, s20), _fma_unit(qs, y1, s21)
-                        s22, s23 = _fma_unit(qs, y2, s22), _fma_unit(qs, y3, s23)
+                        s20, s21, s22, s23 = _row_units(q_rows, q2 + x, ys, s20, s21, s22, s23)
                     if count > 3:
-                        qs = (vload(q_rows, q3 + x), vload(q_rows, q3 + x + n))
-                        s30, s31 = _fma_unit(qs, y0, s30), _fma_unit(qs, y1, s31)
-                        s32, s33 = _fma_unit(qs, y2, s32), _fma_unit(qs, y3, s33)
-                at = r * sw + c
-                if count == 4:
-                    vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
-                                                  s20, s21, s22, s23, s30, s31, s32, s33))
-                elif count == 3:
-                    vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
-                                                  s20, s21, s22, s23))
-                elif count == 2:
-                    vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13))
-                else:
-                    vstore_hsums(scores, at, sw, (s00, s01, s02, s03))
+                        s30, s31, s32, s33 = _row_units(q_rows, q3 + x, ys, s30, s31, s32, s33)
+                _layout.store_row_sums(scores, r * sw + c, sw, count,
+                                       (s00, s01, s02, s03, s10, s11, s12, s13,
+                                        s20, s21, s22, s23, s30, s31, s32, s33))
                 c += 4
                 k += 4 * step
                 s += 4 * s_step

@@ -13,7 +13,7 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _amx, _simd, tiling
 from .._jit import STRICT_OPTIONS, jit
-from .._simd import vfma, vload, vsplat, vstore
+from .._simd import vfma, vload, vsplat, vstore, vstore_hsums
 
 ROWS = 6  # query rows per micro-tile
 UNBOUNDED = 1 << 40  # a band edge that no tile reaches
@@ -124,6 +124,21 @@ def row_span(r, cols, lo_off, hi_off, n):
     first = max(0, r + lo_off) // n * n
     end = min(round_up(cols, n), round_up(max(0, r + hi_off + 1), n))
     return first, end
+
+
+@jit
+def store_row_sums(scores, at, stride, count, sums):
+    """The sums of `count` (1 to 4) rows x four columns of accumulators into `scores` from flat
+    `at`, rows `stride` apart: `sums` holds four rows' 16 vectors, row by row (those past the
+    count are not read), each stored as its lanes' sum (`_simd.vstore_hsums`)."""
+    if count == 4:
+        vstore_hsums(scores, at, stride, sums)
+    elif count == 3:
+        vstore_hsums(scores, at, stride, sums[:12])
+    elif count == 2:
+        vstore_hsums(scores, at, stride, sums[:8])
+    else:
+        vstore_hsums(scores, at, stride, sums[:4])
 
 
 @jit

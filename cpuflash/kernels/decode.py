@@ -755,17 +755,9 @@ def _dot4x4(q_rows, r, count, keys, runs, scores, half_kind, later, later_runs, 
                     s20, s21, s22, s23 = _fma4(vload(q_rows, q2 + x), ys, s20, s21, s22, s23)
                 if count > 3:
                     s30, s31, s32, s33 = _fma4(vload(q_rows, q3 + x), ys, s30, s31, s32, s33)
-            at = r * sw + c
-            if count == 4:
-                vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
-                                              s20, s21, s22, s23, s30, s31, s32, s33))
-            elif count == 3:
-                vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13,
-                                              s20, s21, s22, s23))
-            elif count == 2:
-                vstore_hsums(scores, at, sw, (s00, s01, s02, s03, s10, s11, s12, s13))
-            else:
-                vstore_hsums(scores, at, sw, (s00, s01, s02, s03))
+            _layout.store_row_sums(scores, r * sw + c, sw, count,
+                                   (s00, s01, s02, s03, s10, s11, s12, s13,
+                                    s20, s21, s22, s23, s30, s31, s32, s33))
             c += 4
             k += 4 * step
             lk += 4 * later_step
