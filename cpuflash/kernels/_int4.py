@@ -20,6 +20,7 @@ from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_hi
                      vload_i4_low, vmul, vsub, vzeros)
 from . import _layout
 from ._convert import contiguous_rows
+from ._layout import fma4, row_starts
 
 
 CACHE_LINE = 64  # bytes
@@ -92,14 +93,6 @@ def _row_units(q_rows, o, ys, a0, a1, a2, a3):
 
 
 @jit_borrowing
-def _row_starts(r, count, stride):
-    """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
-    last = r + count - 1
-    return (r * stride, min(r + 1, last) * stride, min(r + 2, last) * stride,
-            min(r + 3, last) * stride)
-
-
-@jit_borrowing
 def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
     """scores[r, c] = q_rows[r] . (key row of block column c), for rows 0 .. rows - 1, the key
     rows int4 in place: `runs` = (run_cols, starts, n_runs, step) as `decode._block_runs`
@@ -120,7 +113,7 @@ def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
     v_bytes = values.shape[3]
     for r in range(0, rows, 4):
         count = min(4, rows - r)
-        q0, q1, q2, q3 = _row_starts(r, count, dp)
+        q0, q1, q2, q3 = row_starts(r, count, dp)
         for i in range(n_runs):
             c, end, k, s = run_cols[i], run_cols[i + 1], starts[i], s_starts[i]
             lv, ls = v_starts[i], vs_starts[i]
@@ -220,7 +213,7 @@ def _pv_units(scores, r, count, data, scale, runs, scale_runs, x, units, acc, al
     s_starts, s_step, g_step, size = scale_runs
     k_cols, k_starts, k_runs, k_step = key_runs
     j, ko = 0, k_starts[0]  # the next key row to prefetch: run j, at byte ko
-    p0, p1, p2, p3 = _row_starts(r, count, sw)
+    p0, p1, p2, p3 = row_starts(r, count, sw)
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = vzeros(acc)
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = a00
     g0 = x // size * g_step
@@ -237,21 +230,14 @@ def _pv_units(scores, r, count, data, scale, runs, scale_runs, x, units, acc, al
                 if c + 1 >= k_cols[j + 1]:
                     j += 1
                     ko = k_starts[j]
-            p = vbroadcast(scores, p0 + c)
-            a00, a01, a02, a03 = vfma(p, v0, a00), vfma(p, v1, a01), vfma(p, v2, a02), \
-                vfma(p, v3, a03)
+            vs = (v0, v1, v2, v3)
+            a00, a01, a02, a03 = fma4(vbroadcast(scores, p0 + c), vs, a00, a01, a02, a03)
             if count > 1:
-                p = vbroadcast(scores, p1 + c)
-                a10, a11, a12, a13 = vfma(p, v0, a10), vfma(p, v1, a11), vfma(p, v2, a12), \
-                    vfma(p, v3, a13)
+                a10, a11, a12, a13 = fma4(vbroadcast(scores, p1 + c), vs, a10, a11, a12, a13)
             if count > 2:
-                p = vbroadcast(scores, p2 + c)
-                a20, a21, a22, a23 = vfma(p, v0, a20), vfma(p, v1, a21), vfma(p, v2, a22), \
-                    vfma(p, v3, a23)
+                a20, a21, a22, a23 = fma4(vbroadcast(scores, p2 + c), vs, a20, a21, a22, a23)
             if count > 3:
-                p = vbroadcast(scores, p3 + c)
-                a30, a31, a32, a33 = vfma(p, v0, a30), vfma(p, v1, a31), vfma(p, v2, a32), \
-                    vfma(p, v3, a33)
+                a30, a31, a32, a33 = fma4(vbroadcast(scores, p3 + c), vs, a30, a31, a32, a33)
             o += step
             s += s_step
     for j, row in enumerate(((a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23),

@@ -127,6 +127,21 @@ def row_span(r, cols, lo_off, hi_off, n):
 
 
 @jit
+def row_starts(r, count, stride):
+    """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
+    last = r + count - 1
+    return (r * stride, min(r + 1, last) * stride, min(r + 2, last) * stride,
+            min(r + 3, last) * stride)
+
+
+@jit
+def fma4(a, bs, c0, c1, c2, c3):
+    """(a * bs[0] + c0, ..., a * bs[3] + c3), each one FMA: a row of a micro-kernel's block of
+    accumulators."""
+    return vfma(a, bs[0], c0), vfma(a, bs[1], c1), vfma(a, bs[2], c2), vfma(a, bs[3], c3)
+
+
+@jit
 def store_row_sums(scores, at, stride, count, sums):
     """The sums of `count` (1 to 4) rows x four columns of accumulators into `scores` from flat
     `at`, rows `stride` apart: `sums` holds four rows' 16 vectors, row by row (those past the

@@ -47,6 +47,7 @@ from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, v
                      vload_i4_low, vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
 from . import _int4, _layout, _pipeline, _products, _steps, _user
 from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
+from ._layout import fma4 as _fma4, row_starts as _row_starts
 
 
 def jit_borrowing(func, cache=_jit.CACHING):
@@ -486,14 +487,6 @@ def _int4_values(scores, v_cache, v_scale, block_table, b, h, start, cols, page_
     own = (run_cols, starts, n_runs, v_tile.shape[1])
     _pv_rows(scores, v_tile, own, v_tile.shape[1], acc, alpha, rows, 0, v_tile,
              (run_cols, starts, 0, v_tile.shape[1]), seen)
-
-
-@jit_borrowing
-def _row_starts(r, count, stride):
-    """Flat starts of rows r .. r + 3 of a buffer, rows past r + count - 1 repeating it."""
-    last = r + count - 1
-    return (r * stride, min(r + 1, last) * stride, min(r + 2, last) * stride,
-            min(r + 3, last) * stride)
 
 
 @jit_borrowing
@@ -948,13 +941,6 @@ def _pv_micro4x1(scores, r, count, values, runs, x, acc, alpha, half_kind):
     for j, total in enumerate((a0, a1, a2, a3)):
         if j < count:
             _layout.rescale_add(acc, (r + j) * acc.shape[1] + x, alpha[r + j], total)
-
-
-@jit_borrowing
-def _fma4(a, bs, c0, c1, c2, c3):
-    """(a * bs[0] + c0, ..., a * bs[3] + c3), each one FMA: a row of the micro-kernels' block
-    of accumulators."""
-    return vfma(a, bs[0], c0), vfma(a, bs[1], c1), vfma(a, bs[2], c2), vfma(a, bs[3], c3)
 
 
 @jit_borrowing
