@@ -27,8 +27,9 @@ float32 scale per (token, head)) goes through the same code: its rows are widene
 as they are loaded, unscaled, and the scales multiply the scores (keys) and the probabilities
 before ``P V`` (values); see `_decode_items`. The queries are then float32, and the four-row
 micro-kernels serve every head dim. An int4 cache (two numbers a byte, a scale per group of a
-row) goes through `decode_int4`, which turns each block's rows into float32 ones as it reads
-them (`_int4_rows`, into the buffers of widened copies) and computes as on a float32 cache.
+row) goes through `decode_int4`, which reads its rows in place too, each byte's nibbles split
+in registers (`_int4`), where a group is whole units of two vectors; other group sizes turn
+each block's rows into float32 ones first (`_int4_rows`, into the buffers of widened copies).
 
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
@@ -81,7 +82,8 @@ _band_rows = jit_borrowing(_steps.band_mask_tile.py_func, cache=False)
 # but a causal mask or a window: Numba then compiles none of the others' branches
 PLAIN = False
 # True in `decode_int4`'s copies: the caches are int4 pairs (uint8) with a scale per group,
-# (pages, Hk, page rows, groups), read through float32 copies of each block's rows
+# (pages, Hk, page rows, groups), read in place (`_int4`) or through float32 copies of each
+# block's rows
 INT4 = False
 
 
