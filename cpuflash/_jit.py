@@ -299,6 +299,12 @@ def jit_borrowing(func, cache=CACHING):
     return numba.njit(_nrt=False, **dict(HELPER_OPTIONS, cache=cache))(func)
 
 
+def jit_borrowing_any_constants(func, cache=CACHING):
+    """`jit_borrowing`, one specialization for any constants (`without_literals`): the
+    decoding kernel's hot helpers."""
+    return without_literals(jit_borrowing(func, cache=cache))
+
+
 def without_literals(dispatcher):
     """`dispatcher`, compiled for the plain types of constant arguments.
 

@@ -21,15 +21,9 @@ from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_hi
                      vload_i4_low, vmul, vsub, vzeros)
 from . import _layout
 from ._convert import contiguous_rows
-from ._layout import fma4, row_starts
+from ._layout import CACHE_LINE, fma4, row_starts
 
-
-CACHE_LINE = 64  # bytes
-
-
-def jit_borrowing(func):
-    """`_jit.jit_borrowing`, one specialization for any constants (`_jit.without_literals`)."""
-    return _jit.without_literals(_jit.jit_borrowing(func))
+jit_borrowing = _jit.jit_borrowing_any_constants
 
 
 @jit_borrowing
@@ -53,8 +47,7 @@ def permute_rows(rows_, count, d, scratch):
         for x in range(d):
             scratch[x] = rows_[r, x]
         for x in range(d):
-            start, at = x - x % (2 * n), x % (2 * n)
-            rows_[r, start + at % 2 * n + at // 2] = scratch[x]
+            rows_[r, _unit_position(x, n)] = scratch[x]
 
 
 @jit_borrowing
@@ -67,7 +60,15 @@ def unpermute(acc, rows, width, scratch):
             for x in range(2 * n):
                 scratch[x] = acc[r, start + x]
             for x in range(2 * n):
-                acc[r, start + x] = scratch[x % 2 * n + x // 2]
+                acc[r, start + x] = scratch[_unit_position(x, n)]
+
+
+@jit_borrowing
+def _unit_position(x, n):
+    """Where number x of a row lies in unit order (units of ``2 * n``: their even numbers,
+    then their odd ones)."""
+    at = x % (2 * n)
+    return x - at + at % 2 * n + at // 2
 
 
 @jit_borrowing

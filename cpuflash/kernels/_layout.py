@@ -15,6 +15,7 @@ from .. import _amx, _simd, tiling
 from .._jit import STRICT_OPTIONS, jit
 from .._simd import vfma, vload, vsplat, vstore, vstore_hsums
 
+CACHE_LINE = 64  # bytes
 ROWS = 6  # query rows per micro-tile
 UNBOUNDED = 1 << 40  # a band edge that no tile reaches
 DOT_CHUNK = 64  # terms of a dot product summed in registers before joining the stored sum

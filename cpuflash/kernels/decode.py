@@ -48,18 +48,15 @@ from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, v
                      vload_i4_low, vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
 from . import _int4, _layout, _pipeline, _products, _steps, _user
 from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
-from ._layout import fma4 as _fma4, row_starts as _row_starts
+from ._layout import CACHE_LINE, fma4 as _fma4, row_starts as _row_starts
 
 
-def jit_borrowing(func, cache=_jit.CACHING):
-    """`_jit.jit_borrowing`, one specialization for any constants (`_jit.without_literals`)."""
-    return _jit.without_literals(_jit.jit_borrowing(func, cache=cache))
+jit_borrowing = _jit.jit_borrowing_any_constants
 
 # how many key rows ahead `_stream_dot4` and `_stream_dot2` prefetch (16 rows of 128 float32:
 # 8 KiB; further ahead, or to L2 only, read slower: docs/history.md, "Decoding variants
 # measured and dropped")
 AHEAD = 16
-CACHE_LINE = 64  # bytes
 NOTHING_NEXT = -1  # no next key block (see `_dot_rows`)
 # What a parallel launch costs, in the kernel's work of one core: keys x query rows
 # x (D + Dv) multiply-adds. The items run on the calling thread alone unless the threads would
@@ -402,20 +399,18 @@ def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst, uni
         elif c:
             row += 1
         page = block_table[b, index]
-        if unit_order:  # (whole units in each group: `_int4.fused`)
+        if vectors:
             o = row_offset(cache, page, h, row)
             for g in range(n_groups):
                 factor = vsplat(scale[page, h, row, g], dst)
-                for x in range(g * size, (g + 1) * size, 2 * n):
-                    vstore(dst, c * stride + x, vmul(vload_i4_low(cache, o + x // 2), factor))
-                    vstore(dst, c * stride + x + n, vmul(vload_i4_high(cache, o + x // 2),
-                                                         factor))
-        elif vectors:
-            o = row_offset(cache, page, h, row)
-            for g in range(n_groups):
-                factor = vsplat(scale[page, h, row, g], dst)
-                for x in range(g * size, (g + 1) * size, n):
-                    vstore(dst, c * stride + x, vmul(vload_i4(cache, o + x // 2), factor))
+                if unit_order:  # (whole units in each group: `_int4.fused`)
+                    for x in range(g * size, (g + 1) * size, 2 * n):
+                        at = c * stride + x
+                        vstore(dst, at, vmul(vload_i4_low(cache, o + x // 2), factor))
+                        vstore(dst, at + n, vmul(vload_i4_high(cache, o + x // 2), factor))
+                else:
+                    for x in range(g * size, (g + 1) * size, n):
+                        vstore(dst, c * stride + x, vmul(vload_i4(cache, o + x // 2), factor))
         else:
             for x in range(d):
                 pair = np.int32(cache[page, h, row, x // 2])
