@@ -17,8 +17,8 @@ are so. Reading a row in place this way took an int4 call from 2.4x int8's time 
 """
 
 from .. import _jit
-from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_high,
-                     vload_i4_low, vmul, vsub, vzeros)
+from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_scaled, vsub,
+                     vzeros)
 from . import _layout
 from ._convert import contiguous_rows
 from ._layout import CACHE_LINE, fma4, row_starts
@@ -75,8 +75,7 @@ def _unit_position(x, n):
 def _unit(data, o, scale, s):
     """The unit at byte o of `data` as its even and its odd numbers, times the scale at flat s of
     `scale` (two float32 vectors)."""
-    factor = vbroadcast(scale, s)
-    return vmul(vload_i4_low(data, o), factor), vmul(vload_i4_high(data, o), factor)
+    return vload_i4_scaled(data, o, vbroadcast(scale, s))
 
 
 @jit_borrowing
