@@ -130,6 +130,7 @@ class AttentionCall:
     v_cache: np.ndarray | None = None
     quantized: str | None = None  # a quantized cache's format (`_quantize.QUANT_MAX`), or None
     rotated: bool = False  # its rows turned by the Walsh-Hadamard matrix: the output is turned back
+    integer_dot: bool = False  # Q K^T of the decoding kernel in integers (`kernels._idot`)
     k_scale: np.ndarray | None = None  # its (pages, Hk, page_rows[, groups]) scales, written
     v_scale: np.ndarray | None = None
     new_k: np.ndarray | None = None  # (batch, Hk, Nnew, D) keys to write into `k_cache`

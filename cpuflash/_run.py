@@ -10,12 +10,14 @@ import dataclasses
 
 import numpy as np
 
-from . import _call, _combine, _kvcache, _plans, _quantize, _schedule, _threads, _validate, tiling
+from . import (_call, _combine, _kvcache, _plans, _quantize, _schedule, _simd_bytes, _threads,
+               _validate, tiling)
 from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
 from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
-from .kernels.decode import decode as decode_kernel, decode_int4, decode_plain
+from .kernels.decode import (decode as decode_kernel, decode_idot, decode_int4, decode_int4_idot,
+                             decode_plain)
 from .kernels.forward import fa2_forward, fa2_forward_plain
 
 
@@ -377,8 +379,11 @@ class Decode:
         # a tuple into the call would cost a short call more than these three reads
         self.flat, self.score_args, self.mask_args = call.kernel_pipeline()
         self.user_types = call.kernel_key()[2]
+        integer = call.integer_dot and _simd_bytes.INTEGER_ROUTE
         if call.quantized == "int4":
-            self.kernel = decode_int4
+            self.kernel = decode_int4_idot if integer else decode_int4
+        elif integer:  # (an int8 cache: `kernels.decode.IDOT`)
+            self.kernel = decode_idot
         else:  # (`kernels.decode.PLAIN`)
             self.kernel = decode_plain if call.plain() else decode_kernel
         # its compiled kernel, once a call has asked for it (`Kernel.specialize` costs half a

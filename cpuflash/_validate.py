@@ -462,7 +462,7 @@ def int_array(name, x):
 
 def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, window,
                  chunk_size, softcap, alibi_slopes, sinks, block_table, layout, num_splits,
-                 return_lse, value_dim=None):
+                 return_lse, value_dim=None, integer_dot=False):
     """Validate `cpuflash.attention_with_kvcache`. Nothing is written here: the new keys are
     checked, then written by `_kvcache.write_new_keys` once every check has passed, which also
     returns the kernel's view of the caches."""
@@ -560,6 +560,7 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
 
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         _fail(TypeError, f"`num_splits` must be an int (0 = automatic), got {num_splits!r}")
+    integer_dot_value(integer_dot, quantized)
     if num_splits < 0:
         _fail(ValueError, f"`num_splits` must be >= 0 (0 = automatic), got {num_splits}")
     qk_scale, window, softcap, chunk = _scalars(scale, window, softcap, causal, d, chunk_size)
@@ -596,7 +597,19 @@ def kvcache_args(q, k_cache, v_cache, *, k, v, cache_seqlens, causal, scale, win
         if has_new:
             fields.update(new_k=hadamard(k4), new_v=hadamard(v4))
     return AttentionCall(q=np.asarray(q4, dtype=np.float32), k=kc4, v=vc4, quantized=quantized,
-                         k_scale=k_scale, v_scale=v_scale, rotated=rotated, **fields)
+                         k_scale=k_scale, v_scale=v_scale, rotated=rotated,
+                         integer_dot=integer_dot, **fields)
+
+
+def integer_dot_value(integer_dot, quantized):
+    """Check `integer_dot` of `attention_with_kvcache`: a bool, True only with an int8 or int4
+    cache (`quantized`: the cache's format, or None)."""
+    if integer_dot.__class__ is not bool:
+        _fail(TypeError, f"`integer_dot` must be a bool, got {integer_dot!r}")
+    if integer_dot and quantized not in ("int8", "int4"):
+        got = "a float cache" if quantized is None else f"a {quantized} cache"
+        _fail(ValueError, f"`integer_dot=True` needs int8 or int4 caches "
+                          f"(`cpuflash.quantize_kv`), got {got}")
 
 
 class _Shape(NamedTuple):

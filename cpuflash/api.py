@@ -156,7 +156,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                            softcap=0.0, alibi_slopes=None, sinks=None, block_table=None,
                            layout="bhsd", num_splits=0, return_lse=False, score_mod=None,
                            score_args=(), mask_mod=None, mask_args=(), value_dim=None,
-                           key_indices=None):
+                           key_indices=None, integer_dot=False):
     """Decoding (or chunked prefill) against a KV cache, with split-KV over the cores.
 
     Parameters
@@ -206,6 +206,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         the listed keys only; where the heads of a group keep different keys, they run one
         head of each group at a time); a `score_mod` gets each listed key's position as
         `kv_idx`. ALiBi is refused with it.
+    integer_dot : bool
+        Opt-in, int8 and int4 caches only: the decoding kernel computes ``Q K^T`` in integers,
+        each query row quantized to int8 (``s = amax / 127`` of the row, numbers
+        ``rint(q / s)``), as llama.cpp does. The result is the float computation with q
+        replaced by ``rint(q / s) * s``: no longer within the accuracy rule on the dequantized
+        cache (docs/quantized_kv.md, "Integer Q K^T", has the measured error and agreement).
+        Calls that the decoding kernel does not run (many query rows, `key_indices`), and int4
+        caches not in groups of 32, compute exactly as without it.
 
     Returns
     -------
@@ -225,7 +233,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                and _nothing(mask_args))
     if (block_table is None and alibi_slopes is None and sinks is None and not own
             and value_dim is None and key_indices is None and (k is None) == (v is None)
-            and scales is not False):
+            and scales is not False and (integer_dot is False
+                                         or (integer_dot is True and scales is not None))):
         # (in the order of the full checks, so that a non-array fails with the same message)
         q = _validate.as_array("q", q)
         if scales is None:
@@ -235,7 +244,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         else:  # a quantized cache: its scales' shapes and dtypes join the key
             k_data, v_data = k_cache.data, v_cache.data
             kind = ("kvcache", scales[0].shape, scales[0].dtype, scales[1].shape,
-                    scales[1].dtype, bool(k_cache.rotated))
+                    scales[1].dtype, bool(k_cache.rotated), integer_dot)
         if k is not None:
             k, v = _validate.as_array("k", k), _validate.as_array("v", v)
         key = _run.plan_key(kind, q, k_data, v_data, cache_seqlens, causal, scale, window,
@@ -250,7 +259,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, causal=causal, scale=scale,
         window=window, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
         sinks=sinks, block_table=block_table, layout=layout, num_splits=num_splits,
-        return_lse=return_lse, value_dim=value_dim)
+        return_lse=return_lse, value_dim=value_dim, integer_dot=integer_dot)
     if key_indices is not None:
         listed = _validate.key_indices_value(key_indices, call, call.n_keys,
                                              dict(alibi_slopes=alibi_slopes))

@@ -184,7 +184,7 @@ def _quantized_attention(query, layer, sinks, keywords):
                                         rotated=layer.rotate)
                         for c in (layer.k_cache, layer.v_cache))
     out = api.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=layer.length,
-                                     layout="bshd", **keywords)
+                                     layout="bshd", integer_dot=layer.integer_dot, **keywords)
     return _torch(out)
 
 
@@ -412,9 +412,10 @@ class _QuantizedLayer(transformers.cache_utils.DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, dtype="int8", rotate=False, group_size=32, **kwargs):
+    def __init__(self, dtype="int8", rotate=False, group_size=32, integer_dot=False, **kwargs):
         super().__init__(**kwargs)
         self.format, self.rotate, self.group_size = dtype, rotate, group_size
+        self.integer_dot = integer_dot
         self.length = 0
         self.k_cache = self.v_cache = None
 
@@ -524,21 +525,30 @@ class QuantizedKVCache(transformers.cache_utils.Cache):
         Turn each key and value row by the Walsh-Hadamard matrix before quantizing
         (`cpuflash.quantize_kv`'s `rotate`; the head dims must be powers of two). For int4,
         it is what keeps a model's tokens close to the float cache's (docs/quantized_kv.md).
+    integer_dot : bool
+        int8 and int4 only, opt-in: decoding steps compute ``Q K^T`` in integers, each query
+        row quantized to int8 (`cpuflash.attention_with_kvcache`'s `integer_dot`): faster,
+        with the error docs/quantized_kv.md measures.
     """
 
-    def __init__(self, config, dtype="int8", group_size=32, rotate=False):
+    def __init__(self, config, dtype="int8", group_size=32, rotate=False, integer_dot=False):
         if dtype not in ("int8", "float8_e4m3", "int4"):
             raise ValueError(f"`dtype` must be 'int8', 'float8_e4m3' or 'int4', got {dtype!r}")
         if not isinstance(rotate, bool):
             raise TypeError(f"`rotate` must be True or False, got {rotate!r}")
+        if not isinstance(integer_dot, bool):
+            raise TypeError(f"`integer_dot` must be True or False, got {integer_dot!r}")
+        if integer_dot and dtype == "float8_e4m3":
+            raise ValueError("`integer_dot=True` needs dtype 'int8' or 'int4', got "
+                             "'float8_e4m3'")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"`group_size` must be a positive int, got {group_size!r}")
         if dtype != "int4" and group_size != 32:
             raise ValueError(f"`group_size` applies to int4 only ({dtype} has one scale a "
                              f"row), got {group_size}")
         config = config.get_text_config(decoder=True)
-        super().__init__(layers=[_QuantizedLayer(dtype, rotate, group_size) for _ in
-                                 range(config.num_hidden_layers)])
+        super().__init__(layers=[_QuantizedLayer(dtype, rotate, group_size, integer_dot)
+                                 for _ in range(config.num_hidden_layers)])
 
     @property
     def nbytes(self):

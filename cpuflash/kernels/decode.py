@@ -46,7 +46,7 @@ from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
 from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vload_i4_high,
                      vload_i4_low, vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
-from . import _int4, _layout, _pipeline, _products, _steps, _user
+from . import _idot, _int4, _layout, _pipeline, _products, _steps, _user
 from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
 from ._layout import CACHE_LINE, fma4 as _fma4, row_starts as _row_starts
 
@@ -82,6 +82,9 @@ PLAIN = False
 # (pages, Hk, page rows, groups), read in place (`_int4`) or through float32 copies of each
 # block's rows
 INT4 = False
+# True in `decode_idot`'s and `decode_int4_idot`'s copies: Q K^T in integers where the key rows
+# allow it (`_idot`, `attention_with_kvcache(..., integer_dot=True)`)
+IDOT = False
 
 
 def line_elements(arr):
@@ -150,6 +153,11 @@ def _item_buffers(k_cache, v_cache, rows, block_k, page_size, d, like):
     alpha = np.empty(rows, dtype=like.dtype)
     max_runs = block_k // page_size + 2
     runs = np.zeros((7, max_runs + 1), dtype=np.int64)  # (5, 6: an int4 cache's scale starts)
+    if IDOT:  # the quantized query rows, their scales and lane corrections (`_idot`)
+        q_shape, corr_shape = _idot.buffer_shapes(rows, k_cache.shape[3], INT4, like)
+        integer = (np.zeros(q_shape, dtype=np.int8), np.zeros(rows, dtype=np.float32),
+                   np.zeros(corr_shape, dtype=np.int32))
+        return (q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs, integer)
     return (q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs)
 
 
@@ -180,7 +188,7 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
     masked = mods.mask.shape[0] > 0 or _user.has_mask_mod(mods.functions)  # keys may be hidden
     visible = None if PLAIN else mods  # what `_steps.key_visible` needs beside the window
 
-    q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers
+    q_rows, k_rows, v_tile, scores, acc, row_max, row_sum, alpha, runs = buffers[:9]
     no_chain = scores[:0]  # decoding needs no score derivatives
     k_scale, v_scale = scales
     quantized = k_scale.shape[0] > 0
@@ -197,6 +205,10 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
         k_step, v_step = k_rows.shape[1], v_tile.shape[1]
     # an int4 cache read in place keeps q's columns and acc's in `_int4`'s unit order
     fused = _int4.fused(k_cache, v_cache, k_scale, v_scale, _layout.lanes(acc)) if INT4 else False
+    integer = False  # Q K^T in integers (`_idot`)
+    if IDOT:
+        integer = _idot.applies_int4(k_cache, k_scale) if INT4 else _idot.applies_int8(k_cache)
+        q_bytes, q_scale, corr = buffers[9]
 
     for item in range(first, last):
         b, hk, split = item // (n_kv * n_splits), item // n_splits % n_kv, item % n_splits
@@ -213,6 +225,9 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
         for r in range(rows):
             for x in range(d):
                 q_rows[r, x] = widen(q[b, hk * group + r // n_q, r % n_q, x], half_kind)
+        if IDOT:
+            if integer:
+                _idot.quantize_rows(q_rows, rows, d, INT4, q_bytes, q_scale, corr)
         if INT4:
             if fused:
                 _int4.permute_rows(q_rows, rows, d, k_rows[0])
@@ -223,7 +238,31 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             # cache where the rows are whole vectors (the four-row micro-kernels prefetching the
             # block's value rows meanwhile, the one-pass ones their own key rows ahead, on into
             # the next block's), else from a widened copy
-            if direct:
+            scored = False
+            if IDOT:
+                if integer:  # (the runs the P V below reads too)
+                    n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size,
+                                         run_cols, k_starts)
+                    _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols,
+                                v_starts)
+                    key_runs = (run_cols, k_starts, n_runs, k_cache.strides[2])
+                    if INT4:
+                        _block_runs(k_scale, block_table, b, hk, kb, cols, page_size, run_cols,
+                                    runs[5])
+                        _block_runs(v_scale, block_table, b, hk, kb, cols, page_size, run_cols,
+                                    runs[6])
+                        _idot.dot_rows_int4(q_bytes, q_scale, corr, k_cache, k_scale, key_runs,
+                                            (runs[5], _row_step(k_scale)), scores, rows)
+                    else:
+                        n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
+                                             min(block_k, k_hi - kb - block_k), page_size,
+                                             next_cols, next_starts)
+                        _idot.dot_rows_int8(q_bytes, q_scale, corr, k_cache, key_runs, scores,
+                                            rows)
+                    scored = True
+            if scored:
+                pass
+            elif direct:
                 n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
                                      k_starts)
                 _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols, v_starts)
@@ -979,3 +1018,16 @@ decode_int4 = Kernel(
             _item_buffers=_jit.jit(variant(_item_buffers.py_func, "_int4", INT4=True)),
             _work=jit_borrowing(variant(_work.py_func, "_int4", INT4=True))),
     _signature_int4, "KV-cache decoding (int4)")
+decode_idot = Kernel(
+    variant(_decode, "_idot",
+            _decode_items=jit_borrowing(variant(_decode_items.py_func, "_idot", IDOT=True)),
+            _item_buffers=_jit.jit(variant(_item_buffers.py_func, "_idot", IDOT=True))),
+    _signature, "KV-cache decoding (integer Q K^T)")
+decode_int4_idot = Kernel(
+    variant(_decode, "_int4_idot",
+            _decode_items=jit_borrowing(variant(_decode_items.py_func, "_int4_idot", INT4=True,
+                                                IDOT=True)),
+            _item_buffers=_jit.jit(variant(_item_buffers.py_func, "_int4_idot", INT4=True,
+                                           IDOT=True)),
+            _work=jit_borrowing(variant(_work.py_func, "_int4_idot", INT4=True))),
+    _signature_int4, "KV-cache decoding (int4, integer Q K^T)")

@@ -1,0 +1,203 @@
+"""Integer byte dot products for Numba kernels: the opt-in integer Q K^T of 8-bit and 4-bit
+caches (`attention_with_kvcache(..., integer_dot=True)`, `kernels._idot`).
+
+A byte vector is one SIMD register of ``4 * LANES_F32`` bytes, seen as `LANES_F32` int32 lanes
+(`IVec`); `bdot` adds to each lane the four products of its bytes, one unsigned and one signed,
+as AVX512-VNNI's `vpdpbusd` does in one instruction. On a target without it the same sums come
+from plain integer code that LLVM lowers as it can: integer sums are exact, so either way the
+lanes hold the same numbers, and only the speed differs.
+
+Contract as in `_simd`: `arr` is an array of a one-byte dtype (int8 or uint8) and `i` a byte
+offset from its first element; nothing is checked. `bload` reads only the lanes it is told to
+(a masked load), so a row's last bytes can be read without touching memory past it.
+"""
+
+from llvmlite import ir
+from numba.core import codegen, config, errors, types
+from numba.extending import intrinsic, models, register_model
+
+from ._simd import LANES_F32, _VEC, _check_index, _element_ptr, _lane_mask, _target_has_avx512f
+
+__all__ = ["VNNI", "INTEGER_ROUTE", "IVec", "bload", "bload_i32", "bflip", "bnibbles_low",
+           "bnibbles_high", "bdot", "bfloat", "vload_repeat4"]
+
+
+def _target_has_vnni(cpu_name, features):
+    """Whether Numba compiles for AVX512-VNNI with 512-bit vectors: the host's features for the
+    host, else an explicit feature string that names it (a named CPU without one: no, which is
+    safe, `bdot` then compiles to plain integer code)."""
+    if not _target_has_avx512f(cpu_name, features):
+        return False
+    if features is None:
+        return "+avx512vnni" in codegen.get_host_cpu_features().split(",")
+    return "+avx512vnni" in features.split(",")
+
+
+VNNI = _target_has_vnni(config.CPU_NAME, config.CPU_FEATURES)
+# Whether `integer_dot=True` takes the integer route (`kernels._idot`): only where `bdot` is one
+# instruction. Without VNNI its plain integer code made a decoding call 2.3x slower than the
+# exact route (AVX2 build, Zen 4, docs/quantized_kv.md), and AVX2's `vpmaddubsw` would not pay
+# either (int8 bytes need a sign trick a (row, key) pair, int4 as many steps as the floats take).
+# The tests set it to run the route's code on any CPU.
+INTEGER_ROUTE = VNNI
+_N = LANES_F32
+_I32 = ir.IntType(32)
+_LANES = ir.VectorType(_I32, _N)
+_BYTES = ir.VectorType(ir.IntType(8), 4 * _N)
+
+
+class IVec(types.Type):
+    """Numba type of `LANES_F32` int32 lanes (four bytes each to `bdot`)."""
+
+    def __init__(self):
+        super().__init__(name="ivec%dxint32" % _N)
+
+
+_IVEC = IVec()
+
+
+@register_model(IVec)
+class _IVecModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _LANES)
+
+
+def _byte_array(arr, name):
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.int8, types.uint8)):
+        raise errors.TypingError("`%s` must be an int8 or uint8 array, got %s" % (name, arr))
+
+
+def _splat_i32(value):
+    return ir.Constant(_LANES, [ir.Constant(_I32, value)] * _N)
+
+
+def _masked_load(builder, ptr, lanes_type, valid, zero):
+    """Lanes 0 .. valid - 1 from `ptr`, the others `zero` (nothing read past them)."""
+    iota = ir.Constant(ir.VectorType(ir.IntType(64), _N), [ir.Constant(ir.IntType(64), k)
+                                                             for k in range(_N)])
+    limit = builder.insert_element(ir.Constant(iota.type, ir.Undefined), valid,
+                                   ir.Constant(_I32, 0))
+    limit = builder.shuffle_vector(limit, ir.Constant(iota.type, ir.Undefined),
+                                   ir.Constant(_LANES, [ir.Constant(_I32, 0)] * _N))
+    mask = builder.icmp_unsigned("<", iota, limit)
+    name = "llvm.masked.load.v%d%s.p0" % (_N, lanes_type.element.intrinsic_name)
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(
+            lanes_type, [ptr.type, _I32, mask.type, lanes_type]), name)
+    return builder.call(fn, [ptr, ir.Constant(_I32, 1), mask, zero])
+
+
+@intrinsic
+def bload(typingctx, arr, i, valid):
+    """The ``4 * valid`` bytes of `arr` from byte `i` as lanes 0 .. valid - 1 (`valid` <=
+    `LANES_F32`), the other lanes zero."""
+    _byte_array(arr, "arr")
+    _check_index(i)
+    _check_index(valid, "valid")
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig, args, _LANES)
+        count = context.cast(builder, args[2], sig.args[2], types.int64)
+        return _masked_load(builder, ptr, _LANES, count, _splat_i32(0))
+
+    return _IVEC(arr, i, valid), codegen
+
+
+@intrinsic
+def bload_i32(typingctx, arr, i):
+    """``arr[i : i + LANES_F32]`` of an int32 array as lanes."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
+        raise errors.TypingError("`arr` must be an int32 array, got %s" % arr)
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig, args, _LANES), align=4)
+
+    return _IVEC(arr, i), codegen
+
+
+def _bytewise(name, doc, body):
+    def op(typingctx, a):
+        if a != _IVEC:
+            raise errors.TypingError("`a` must be an %s, got %s" % (_IVEC, a))
+        return _IVEC(a), lambda context, builder, sig, args: body(builder, args[0])
+    op.__name__, op.__doc__ = name, doc
+    return intrinsic(op)
+
+
+bflip = _bytewise(
+    "bflip", "Each signed byte b as the unsigned byte b + 128 (its top bit flipped).",
+    lambda builder, a: builder.xor(a, _splat_i32(-0x7F7F7F80)))  # 0x80808080
+bnibbles_low = _bytewise(
+    "bnibbles_low", "Each byte's low nibble n, a signed 4-bit number, as the byte n + 8.",
+    lambda builder, a: builder.xor(builder.and_(a, _splat_i32(0x0F0F0F0F)),
+                                   _splat_i32(0x08080808)))
+bnibbles_high = _bytewise(
+    "bnibbles_high", "Each byte's high nibble n, a signed 4-bit number, as the byte n + 8.",
+    lambda builder, a: builder.xor(builder.and_(builder.lshr(a, _splat_i32(4)),
+                                                _splat_i32(0x0F0F0F0F)),
+                                   _splat_i32(0x08080808)))
+
+
+@intrinsic
+def bdot(typingctx, acc, a, b):
+    """``acc`` plus, in each lane, the four products of its bytes of `a` (unsigned) and `b`
+    (signed): one `vpdpbusd` with AVX512-VNNI (no saturation), plain integer code elsewhere."""
+    if not (acc == a == b == _IVEC):
+        raise errors.TypingError("`acc`, `a` and `b` must be %s, got %s, %s, %s"
+                                 % (_IVEC, acc, a, b))
+
+    def codegen(context, builder, sig, args):
+        acc_, a_, b_ = args
+        if VNNI:
+            name = "llvm.x86.avx512.vpdpbusd.512"
+            fn = builder.module.globals.get(name)
+            if fn is None:
+                fn = ir.Function(builder.module, ir.FunctionType(_LANES, [_LANES] * 3), name)
+            return builder.call(fn, [acc_, a_, b_])
+        wide = ir.VectorType(_I32, 4 * _N)
+        products = builder.mul(builder.zext(builder.bitcast(a_, _BYTES), wide),
+                               builder.sext(builder.bitcast(b_, _BYTES), wide))
+        total = acc_
+        for k in range(4):  # byte k of every lane
+            total = builder.add(total, builder.shuffle_vector(
+                products, products, _lane_mask([4 * j + k for j in range(_N)])))
+        return total
+
+    return _IVEC(acc, a, b), codegen
+
+
+@intrinsic
+def bfloat(typingctx, a):
+    """The lanes as a float32 vector (exact below 2 ** 24)."""
+    if a != _IVEC:
+        raise errors.TypingError("`a` must be an %s, got %s" % (_IVEC, a))
+    vec = _VEC[types.float32]
+
+    def codegen(context, builder, sig, args):
+        return builder.sitofp(args[0], ir.VectorType(ir.FloatType(), _N))
+
+    return vec(a), codegen
+
+
+@intrinsic
+def vload_repeat4(typingctx, arr, i, valid):
+    """Of a float32 array, ``arr[i + j // 4]`` in lane j for j < 4 * valid (the scale of each
+    lane's group of four lanes), 0 in the others."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+        raise errors.TypingError("`arr` must be a float32 array, got %s" % arr)
+    _check_index(i)
+    _check_index(valid, "valid")
+    vec = _VEC[types.float32]
+
+    def codegen(context, builder, sig, args):
+        lanes = ir.VectorType(ir.FloatType(), _N)
+        ptr = _element_ptr(context, builder, sig, args, lanes)
+        count = context.cast(builder, args[2], sig.args[2], types.int64)
+        zero = ir.Constant(lanes, [ir.Constant(ir.FloatType(), 0.0)] * _N)
+        scales = _masked_load(builder, ptr, lanes, count, zero)
+        return builder.shuffle_vector(scales, scales, _lane_mask([j // 4 for j in range(_N)]))
+
+    return vec(arr, i, valid), codegen
+
