@@ -6,6 +6,7 @@ the quantized keys of all before it), next-token choices against the float32 cac
 
     python bench/cache_agreement.py
     python bench/cache_agreement.py --formats int4,int4-rotated --tokens 250 --prompt 128
+    python bench/cache_agreement.py --formats int8-integer,int4-rotated-integer  # integer_dot
 
 Prints, per cache: the agreement of the next-token choices over the 250 positions, the largest
 logit difference, and the bytes the cache holds against a float32 cache of the same tokens.
@@ -71,9 +72,10 @@ def main():
     print("| cache | next-token agreement | max logit difference | bytes vs float32 |")
     print("| --- | --- | --- | --- |")
     for label in args.formats.split(","):
-        fmt = label.removesuffix("-rotated")
+        fmt = label.removesuffix("-integer").removesuffix("-rotated")
         extra = {"group_size": args.group_size} if fmt == "int4" else {}
-        cache = cft.QuantizedKVCache(config, fmt, rotate=label.endswith("-rotated"), **extra)
+        cache = cft.QuantizedKVCache(config, fmt, rotate="-rotated" in label,
+                                     integer_dot=label.endswith("-integer"), **extra)
         got = teacher_forced(model, ids, args.prompt, cache)
         agreement = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
         held = sum(c.data[:, :, :layer.length].nbytes + c.scale[:, :, :layer.length].nbytes
