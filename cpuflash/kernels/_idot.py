@@ -185,6 +185,18 @@ def _int4_pair(corr_lanes, y, qe, qo):
 
 
 @jit_borrowing
+def _int4_row(qi, at, n, corr_lanes, ys, fs, t0, t1, t2, t3):
+    """A query row's chunk (its even numbers' bytes at `at` of `qi`, its odd ones' a chunk on)
+    against four keys' chunks `ys`: each pair's lanes as floats, times the keys' lane scales
+    `fs`, added to t0 .. t3."""
+    qe, qo = bload(qi, at, n), bload(qi, at + 4 * n, n)
+    return (vfma(bfloat(_int4_pair(corr_lanes, ys[0], qe, qo)), fs[0], t0),
+            vfma(bfloat(_int4_pair(corr_lanes, ys[1], qe, qo)), fs[1], t1),
+            vfma(bfloat(_int4_pair(corr_lanes, ys[2], qe, qo)), fs[2], t2),
+            vfma(bfloat(_int4_pair(corr_lanes, ys[3], qe, qo)), fs[3], t3))
+
+
+@jit_borrowing
 def _dot4x4_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs):
     n = _layout.lanes(scores)
     chunk, row_bytes, sw = 4 * n, keys.shape[3], scores.shape[1]
@@ -209,33 +221,18 @@ def _dot4x4_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs):
                 f1 = vload_repeat4(k_scale, g + scale_step + h, groups)
                 f2 = vload_repeat4(k_scale, g + 2 * scale_step + h, groups)
                 f3 = vload_repeat4(k_scale, g + 3 * scale_step + h, groups)
-                at, cv = q0 + 2 * x, bload_i32(corr, o0 + e)
-                qe, qo = bload(qi, at, n), bload(qi, at + chunk, n)
-                t00 = vfma(bfloat(_int4_pair(cv, y0, qe, qo)), f0, t00)
-                t01 = vfma(bfloat(_int4_pair(cv, y1, qe, qo)), f1, t01)
-                t02 = vfma(bfloat(_int4_pair(cv, y2, qe, qo)), f2, t02)
-                t03 = vfma(bfloat(_int4_pair(cv, y3, qe, qo)), f3, t03)
+                ys, fs = (y0, y1, y2, y3), (f0, f1, f2, f3)
+                t00, t01, t02, t03 = _int4_row(qi, q0 + 2 * x, n, bload_i32(corr, o0 + e), ys,
+                                               fs, t00, t01, t02, t03)
                 if count > 1:
-                    at, cv = q1 + 2 * x, bload_i32(corr, o1 + e)
-                    qe, qo = bload(qi, at, n), bload(qi, at + chunk, n)
-                    t10 = vfma(bfloat(_int4_pair(cv, y0, qe, qo)), f0, t10)
-                    t11 = vfma(bfloat(_int4_pair(cv, y1, qe, qo)), f1, t11)
-                    t12 = vfma(bfloat(_int4_pair(cv, y2, qe, qo)), f2, t12)
-                    t13 = vfma(bfloat(_int4_pair(cv, y3, qe, qo)), f3, t13)
+                    t10, t11, t12, t13 = _int4_row(qi, q1 + 2 * x, n, bload_i32(corr, o1 + e),
+                                                   ys, fs, t10, t11, t12, t13)
                 if count > 2:
-                    at, cv = q2 + 2 * x, bload_i32(corr, o2 + e)
-                    qe, qo = bload(qi, at, n), bload(qi, at + chunk, n)
-                    t20 = vfma(bfloat(_int4_pair(cv, y0, qe, qo)), f0, t20)
-                    t21 = vfma(bfloat(_int4_pair(cv, y1, qe, qo)), f1, t21)
-                    t22 = vfma(bfloat(_int4_pair(cv, y2, qe, qo)), f2, t22)
-                    t23 = vfma(bfloat(_int4_pair(cv, y3, qe, qo)), f3, t23)
+                    t20, t21, t22, t23 = _int4_row(qi, q2 + 2 * x, n, bload_i32(corr, o2 + e),
+                                                   ys, fs, t20, t21, t22, t23)
                 if count > 3:
-                    at, cv = q3 + 2 * x, bload_i32(corr, o3 + e)
-                    qe, qo = bload(qi, at, n), bload(qi, at + chunk, n)
-                    t30 = vfma(bfloat(_int4_pair(cv, y0, qe, qo)), f0, t30)
-                    t31 = vfma(bfloat(_int4_pair(cv, y1, qe, qo)), f1, t31)
-                    t32 = vfma(bfloat(_int4_pair(cv, y2, qe, qo)), f2, t32)
-                    t33 = vfma(bfloat(_int4_pair(cv, y3, qe, qo)), f3, t33)
+                    t30, t31, t32, t33 = _int4_row(qi, q3 + 2 * x, n, bload_i32(corr, o3 + e),
+                                                   ys, fs, t30, t31, t32, t33)
             _layout.store_row_sums(scores, r * sw + c, sw, count,
                                    (t00, t01, t02, t03, t10, t11, t12, t13,
                                     t20, t21, t22, t23, t30, t31, t32, t33))
