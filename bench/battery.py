@@ -8,12 +8,13 @@ into ``bench_out/battery/`` as a package of its own, and a child interpreter per
 the battery's outputs and saves them (the two run side by side, one a core). The battery covers
 the forward of every dtype with each score modifier alone and all together, GQA, ``Dv != D``,
 awkward sizes, both layouts, set tiles and the decoding route of one-row calls; varlen; the KV
-cache contiguous, paged, written into, split, chunked, in float16, int8/float8_e4m3 and int4; the
-backward of every dtype with the modifiers, and varlen's; user functions with a block mask,
-their gradients and decoding; `merge_states`, `quantize_kv`. A copy keeps its compiled kernels
-between runs (Numba's cache lives in the copy, keyed by its sources), so a base revision compiles
-once. Prints each output that differs and exits 1 when any does; outputs only the second
-revision makes (cases added since the first) are listed, not compared.
+cache contiguous, paged, written into, split, chunked, in float16, int8/float8_e4m3 and int4
+(int8 and int4 with `integer_dot` too); the backward of every dtype with the modifiers, and
+varlen's; user functions with a block mask, their gradients and decoding; `merge_states`,
+`quantize_kv`. A copy keeps its compiled kernels between runs (Numba's cache lives in the copy,
+keyed by its sources), so a base revision compiles once. Prints each output that differs and
+exits 1 when any does; outputs only the second revision makes (cases added since the first) are
+listed, not compared.
 """
 
 import argparse
@@ -168,6 +169,16 @@ def decode_cases(cf, rng, out):
                                            softcap=20.0, window=(100, 0), num_splits=2)
         key = f"decode/int4-{size}"
         out[key], out[key + "/lse"], out[key + "/k_data"] = o, lse, k_cache.data
+    for fmt in ("int8", "int4"):  # the opt-in integer Q K^T (CPUs with AVX512-VNNI; else exact)
+        k_cache, v_cache = (cf.quantize_kv(_normal(rng, (b, hk, n_max, d), np.float32), fmt)
+                            for _ in range(2))
+        q = _normal(rng, (b, hq, 1, d), np.float32)
+        try:
+            o = cf.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                          integer_dot=True, softcap=20.0, num_splits=2)
+        except TypeError:  # a revision before integer_dot (the last group's last draws)
+            break
+        out[f"decode/{fmt}-integer"] = o
 
 
 def backward_cases(cf, rng, out):

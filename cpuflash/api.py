@@ -212,8 +212,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         ``rint(q / s)``), as llama.cpp does. The result is the float computation with q
         replaced by ``rint(q / s) * s``: no longer within the accuracy rule on the dequantized
         cache (docs/quantized_kv.md, "Integer Q K^T", has the measured error and agreement).
-        Calls that the decoding kernel does not run (many query rows, `key_indices`), and int4
-        caches not in groups of 32, compute exactly as without it.
+        Only on CPUs with AVX512-VNNI (`vpdpbusd`): elsewhere (where it would be slower), and
+        with `key_indices` or int4 groups other than 32, the call computes exactly as without
+        it.
 
     Returns
     -------
