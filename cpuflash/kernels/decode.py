@@ -30,6 +30,8 @@ micro-kernels serve every head dim. An int4 cache (two numbers a byte, a scale p
 row) goes through `decode_int4`, which reads its rows in place too, each byte's nibbles split
 in registers (`_int4`), where a group is whole units of two vectors; other group sizes turn
 each block's rows into float32 ones first (`_int4_rows`, into the buffers of widened copies).
+With `integer_dot` on a CPU with AVX512-VNNI, `decode_idot` (int8) and `decode_int4_idot` take
+Q K^T in integers instead, each query row quantized to int8 (`_idot`); P V is the same.
 
 A cache is addressed through a page table: key position ``p`` of batch ``b`` is row
 ``p % page_size`` of page ``block_table[b, p // page_size]``. An unpaged cache is the case of
