@@ -13,7 +13,7 @@ import cpuflash
 from cpuflash import _plans, _simd_bytes, dequantize_kv, quantize_kv
 from cpuflash._quantize import hadamard
 
-from helpers import assert_same_bits, check_kvcache, to_pages
+from helpers import assert_same_bits, check_kvcache, low_precision_dtype, to_pages
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +74,22 @@ def test_rotated_paged_and_modified(rng, fmt):
     turned = hadamard(quantized_rows(hadamard(q)))  # (the route quantizes q turned by H)
     check_kvcache(out, None, turned, dequantize_kv(k_cache), dequantize_kv(v_cache), seqlens,
                   causal=True, **options)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_queries(rng, dtype):
+    """q in half precision is widened to float32, then quantized; the output has q's dtype."""
+    dtype = low_precision_dtype(dtype) if dtype == "bfloat16" else np.dtype(dtype)
+    k_cache, v_cache = caches(rng, "int4", 64)
+    q = rng.standard_normal((2, 4, 1, 64)).astype(dtype)
+    out = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=150,
+                                          integer_dot=True)
+    assert out.dtype == dtype
+    expected = cpuflash.attention_with_kvcache(q.astype(np.float32), k_cache, v_cache,
+                                               cache_seqlens=150, integer_dot=True)
+    # the float32 result rounded once to the output's precision
+    np.testing.assert_allclose(out.astype(np.float32), expected, rtol=2 * np.finfo(
+        np.float16).eps if dtype == np.float16 else 2 ** -7, atol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
