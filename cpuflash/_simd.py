@@ -36,7 +36,7 @@ from numba.extending import intrinsic, models, register_model
 
 __all__ = [
     "LANES_F32", "LANES_F64", "lanes_for", "vload", "vload_f16", "vload_bf16", "vload_i8",
-    "vload_e4m3", "vload_i4", "vload_i4_low", "vload_i4_high", "vload_i4_scaled", "E4M3_UNIT",
+    "vload_e4m3", "vload_i4", "vload_i4_scaled", "E4M3_UNIT",
     "vload_rows", "vload_rows_f16", "vload_rows_bf16", "vstore", "vstore_f16", "vstore_bf16",
     "vbroadcast", "vsplat", "viota", "vzeros", "vfma", "vadd", "vsub", "vmul", "vabs", "vmax",
     "vfill_outside", "vhmax", "vhsum", "vstore_hsums", "vtranspose", "vexp2", "vtanh", "prefetch",
@@ -370,47 +370,15 @@ def vload_i4(typingctx, arr, i):
     return vec(arr, i), codegen
 
 
-def _nibble_load(high):
-    """An intrinsic loading `lanes` bytes of a uint8 array as the float32 vector of their low
-    (or high) signed 4-bit numbers."""
-    vec = _VEC[types.float32]
-
-    def load(typingctx, arr, i):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
-            raise errors.TypingError("`arr` must be a uint8 array (int4 pairs), got %s" % arr)
-        _check_index(i)
-
-        def codegen(context, builder, sig, args):
-            i8s, i32s = ir.VectorType(ir.IntType(8), vec.lanes), ir.VectorType(_I32, vec.lanes)
-            wide = builder.sext(builder.load(_element_ptr(context, builder, sig, args, i8s),
-                                             align=1), i32s)  # vpmovsxbd
-            if high:  # the byte's sign is the high nibble's
-                numbers = builder.ashr(wide, _const(i32s, 4))
-            else:
-                numbers = builder.ashr(builder.shl(wide, _const(i32s, 28)), _const(i32s, 28))
-            return builder.sitofp(numbers, _vec_ll(vec))
-
-        return vec(arr, i), codegen
-
-    load.__name__ = "vload_i4_" + ("high" if high else "low")
-    load.__doc__ = ("Load the `lanes` bytes of `arr` (uint8) from element `i` as the float32 "
-                    "vector of their %s nibbles, each a signed 4-bit number (two's complement), "
-                    "exactly: lane m is byte m's. `vload_i4_low` and `vload_i4_high` of the same "
-                    "bytes give the even and the odd numbers of an int4 row's `2 * lanes`."
-                    % ("high" if high else "low"))
-    return intrinsic(load)
-
-
-vload_i4_low = _nibble_load(False)
-vload_i4_high = _nibble_load(True)
-
-
 @intrinsic
 def vload_i4_scaled(typingctx, arr, i, factor):
-    """``(vload_i4_low(arr, i) * factor, vload_i4_high(arr, i) * factor)``, bit for bit, for a
-    float32 vector `factor` of one value: with 16 lanes, each nibble picks its product from the
-    16 products ``factor * n`` (one `vpermps` a vector, which reads an index's low four bits),
-    instead of being shifted, converted and multiplied; elsewhere those steps."""
+    """Load the `lanes` bytes of `arr` (uint8) from element `i` as two float32 vectors, their
+    low and their high nibbles (each a signed 4-bit number, two's complement) times `factor`, a
+    vector of one value, each product rounded once: lane m is byte m's, so of an int4 row's
+    ``2 * lanes`` numbers the first vector holds the even ones, the second the odd ones. With
+    16 lanes each nibble picks its product from the 16 products ``factor * n`` (one `vpermps`
+    a vector, which reads an index's low four bits); elsewhere it is shifted out of the
+    sign-extended byte, converted and multiplied: the same bits."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
         raise errors.TypingError("`arr` must be a uint8 array (int4 pairs), got %s" % arr)
     _check_index(i)
