@@ -46,8 +46,8 @@ from numba.np.numpy_support import as_dtype
 
 from .. import _jit
 from .._jit import STRICT_OPTIONS, Kernel, array, jit, variant
-from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vload_i4_high,
-                     vload_i4_low, vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
+from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4, vload_i4_scaled,
+                     vmul, vsplat, vstore, vstore_hsums, vsub, vzeros)
 from . import _idot, _int4, _layout, _pipeline, _products, _steps, _user
 from ._convert import contiguous_rows, load_widened, row_offset, unit, vector_rows, widen
 from ._layout import CACHE_LINE, fma4 as _fma4, row_starts as _row_starts
@@ -243,34 +243,29 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
             scored = False
             if IDOT:
                 if integer:  # (the runs the P V below reads too)
-                    n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size,
-                                         run_cols, k_starts)
-                    _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols,
-                                v_starts)
+                    if INT4:
+                        n_runs = _int4_runs(k_cache, v_cache, scales, block_table, b, hk, kb,
+                                            cols, page_size, runs)
+                    else:
+                        n_runs = _pair_runs(k_cache, v_cache, block_table, b, hk, kb, cols,
+                                            page_size, runs)
+                        n_next = _next_runs(k_cache, block_table, b, hk, kb, k_hi, block_k,
+                                            page_size, runs)
                     key_runs = (run_cols, k_starts, n_runs, k_cache.strides[2])
                     if INT4:
-                        _block_runs(k_scale, block_table, b, hk, kb, cols, page_size, run_cols,
-                                    runs[5])
-                        _block_runs(v_scale, block_table, b, hk, kb, cols, page_size, run_cols,
-                                    runs[6])
                         _idot.dot_rows_int4(q_bytes, q_scale, corr, k_cache, k_scale, key_runs,
                                             (runs[5], _row_step(k_scale)), scores, rows)
                     else:
-                        n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
-                                             min(block_k, k_hi - kb - block_k), page_size,
-                                             next_cols, next_starts)
                         _idot.dot_rows_int8(q_bytes, q_scale, corr, k_cache, key_runs, scores,
                                             rows)
                     scored = True
             if scored:
                 pass
             elif direct:
-                n_runs = _block_runs(k_cache, block_table, b, hk, kb, cols, page_size, run_cols,
-                                     k_starts)
-                _block_runs(v_cache, block_table, b, hk, kb, cols, page_size, run_cols, v_starts)
-                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
-                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
-                                     next_starts)
+                n_runs = _pair_runs(k_cache, v_cache, block_table, b, hk, kb, cols, page_size,
+                                    runs)
+                n_next = _next_runs(k_cache, block_table, b, hk, kb, k_hi, block_k, page_size,
+                                    runs)
                 _dot_rows(q_rows, k_cache, (run_cols, k_starts, n_runs, k_step), scores, rows,
                           half_kind, v_cache, (run_cols, v_starts, n_runs, v_step), True,
                           next_starts[0] if n_next else NOTHING_NEXT)
@@ -319,9 +314,8 @@ def _decode_items(first, last, buffers, q, k_cache, v_cache, scales, block_table
                 _pv_rows(scores, v_cache, (run_cols, v_starts, n_runs, v_step), dv, acc, alpha,
                          rows, half_kind, k_cache, (next_cols, next_starts, n_next, k_step), seen)
             elif INT4:
-                n_next = _block_runs(k_cache, block_table, b, hk, kb + block_k,
-                                     min(block_k, k_hi - kb - block_k), page_size, next_cols,
-                                     next_starts) if fused else 0
+                n_next = _next_runs(k_cache, block_table, b, hk, kb, k_hi, block_k, page_size,
+                                    runs) if fused else 0
                 _int4_values(scores, v_cache, v_scale, block_table, b, hk, kb, cols, page_size,
                              runs, n_runs, v_tile, acc, alpha, rows, seen, fused,
                              (k_cache, (next_cols, next_starts, n_next, k_cache.strides[2])))
@@ -405,6 +399,32 @@ def _block_runs(cache, block_table, b, h, start, cols, page_size, run_cols, star
 
 
 @jit_borrowing
+def _pair_runs(k_cache, v_cache, block_table, b, h, start, cols, page_size, runs):
+    """`_block_runs` of a block's key and value rows, both read in place: their block columns,
+    key and value starts in `runs` rows 0, 1 and 2 (`_item_buffers`); returns their number."""
+    n_runs = _block_runs(k_cache, block_table, b, h, start, cols, page_size, runs[0], runs[1])
+    _block_runs(v_cache, block_table, b, h, start, cols, page_size, runs[0], runs[2])
+    return n_runs
+
+
+@jit_borrowing
+def _next_runs(k_cache, block_table, b, h, start, end, block_k, page_size, runs):
+    """`_block_runs` of the key rows of the block after the one at `start` (keys up to `end`),
+    into `runs` rows 3 and 4: what the P V of this block prefetches; returns their number."""
+    return _block_runs(k_cache, block_table, b, h, start + block_k,
+                       min(block_k, end - start - block_k), page_size, runs[3], runs[4])
+
+
+@jit_borrowing
+def _int4_runs(k_cache, v_cache, scales, block_table, b, h, start, cols, page_size, runs):
+    """`_pair_runs` of int4 caches, and the starts of the rows' scales in `runs` rows 5 and 6."""
+    n_runs = _pair_runs(k_cache, v_cache, block_table, b, h, start, cols, page_size, runs)
+    _block_runs(scales[0], block_table, b, h, start, cols, page_size, runs[0], runs[5])
+    _block_runs(scales[1], block_table, b, h, start, cols, page_size, runs[0], runs[6])
+    return n_runs
+
+
+@jit_borrowing
 def _one_run(cols, run_cols, k_starts, v_starts):
     """The runs of a widened copy: all `cols` rows, from the start of the buffers."""
     run_cols[0], run_cols[1] = 0, cols
@@ -446,9 +466,9 @@ def _int4_rows(cache, scale, block_table, b, h, start, cols, page_size, dst, uni
                 factor = vsplat(scale[page, h, row, g], dst)
                 if unit_order:  # (whole units in each group: `_int4.fused`)
                     for x in range(g * size, (g + 1) * size, 2 * n):
-                        at = c * stride + x
-                        vstore(dst, at, vmul(vload_i4_low(cache, o + x // 2), factor))
-                        vstore(dst, at + n, vmul(vload_i4_high(cache, o + x // 2), factor))
+                        even, odd = vload_i4_scaled(cache, o + x // 2, factor)
+                        vstore(dst, c * stride + x, even)
+                        vstore(dst, c * stride + x + n, odd)
                 else:
                     for x in range(g * size, (g + 1) * size, n):
                         vstore(dst, c * stride + x, vmul(vload_i4(cache, o + x // 2), factor))
@@ -472,11 +492,8 @@ def _int4_scores(q_rows, k_cache, v_cache, scales, block_table, b, h, start, col
     k_scale, v_scale = scales
     run_cols, starts = runs[0], runs[1]
     if fused:
-        n_runs = _block_runs(k_cache, block_table, b, h, start, cols, page_size, run_cols,
-                             starts)
-        _block_runs(v_cache, block_table, b, h, start, cols, page_size, run_cols, runs[2])
-        _block_runs(k_scale, block_table, b, h, start, cols, page_size, run_cols, runs[5])
-        _block_runs(v_scale, block_table, b, h, start, cols, page_size, run_cols, runs[6])
+        n_runs = _int4_runs(k_cache, v_cache, scales, block_table, b, h, start, cols, page_size,
+                            runs)
         size = 2 * k_cache.shape[3] // k_scale.shape[3]
         _int4.dot_rows(q_rows, k_cache, k_scale, (run_cols, starts, n_runs, k_cache.strides[2]),
                        (runs[5], _row_step(k_scale), _group_step(k_scale), size), scores, rows,
