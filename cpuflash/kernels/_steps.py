@@ -38,6 +38,15 @@ def work_item(items, item, seqs):
 
 
 @jit
+def longest_keys(seqs):
+    """The most keys a sequence of `seqs` (`_band`'s columns) has."""
+    longest = 0
+    for s in range(seqs.shape[0]):
+        longest = max(longest, seqs[s, _band.SEQ_N_K])
+    return longest
+
+
+@jit
 def scale_tile(scores, rows, cols, mult, lo_off, hi_off):
     """s *= mult, whole vectors of each row's span (the padding past `cols` is never read)."""
     n = lanes(scores)

@@ -53,13 +53,17 @@ def _forward_items(first_item, end_item, q, k, v, out, lse, seqs, items, block_q
     qk_scale, left, right, sinks = mods.scale, mods.left, mods.right, mods.sinks
     has_sinks = sinks.shape[0] > 0
     no_chain = np.empty((0, 0), dtype=cdtype)  # the forward needs no score derivatives
-    # -- thread-local tile state, allocated once per chunk of work items
+    # -- thread-local tile state, allocated once per chunk of work items, with packed key
+    # blocks for the longest sequence's keys (not the array's: a cache's rows past its
+    # length, or the keys a part of a call leaves to another, are never read; zeroing blocks
+    # for them cost a folded call's causal part 20x its work)
+    n_keys = _steps.longest_keys(seqs)
     # bfloat16 on AVX512-BF16: the tiles as bfloat16 pairs (`_pairs`); else empty
     q_pairs, k_kept_pairs, v_kept_pairs, p_pairs = _pairs.pair_buffers(
-        block_q, block_k, d, dv, k.shape[2], key_align, q, lse, half_kind)
+        block_q, block_k, d, dv, n_keys, key_align, q, lse, half_kind)
     pairs = q_pairs.shape[0] > 0
     q_tile, k_kept, v_kept, scores, acc = _layout.tile_buffers(
-        block_q, block_k, d, dv, lse, 0 if pairs else k.shape[2], key_align)
+        block_q, block_k, d, dv, lse, 0 if pairs else n_keys, key_align)
     row_max = np.empty(block_q, dtype=cdtype)
     row_sum = np.empty(block_q, dtype=cdtype)
     alpha = np.empty(block_q, dtype=cdtype)
