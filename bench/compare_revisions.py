@@ -41,7 +41,8 @@ def _slopes():
 # 256 does), and the decoding cases of bench/test_bench_decode.py (`attention_with_kvcache`),
 # with a float16 cache, with D=64, with groups of one and two query heads per KV head, paged
 # (pages of 16 and 256 rows, shuffled), and with int8, float8_e4m3 and int4 (groups of 32) caches
-# (a dtype named by its `cpuflash.quantize_kv` format) too
+# (a dtype named by its `cpuflash.quantize_kv` format) too, and 16 query rows a head from a cache
+# (a prefill chunk, speculative decoding's draft rows), with a window too
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -63,6 +64,8 @@ CASES = {
     "decode-e4m3": (1, 16384, {}, 32, 8, HEAD_DIM, "float8_e4m3"),
     "decode-int4": (1, 16384, {}, 32, 8, HEAD_DIM, "int4"),
     "decode-mha-int4": (1, 16384, {}, 8, 8, HEAD_DIM, "int4"),
+    "decode-rows16": (16, 16384, {}, 32, 8, HEAD_DIM, np.float32),
+    "decode-rows16-window": (16, 16384, dict(window=(8192, 0)), 32, 8, HEAD_DIM, np.float32),
 }
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import (_call, _combine, _kvcache, _plans, _quantize, _schedule, _simd_bytes, _threads,
                _validate, tiling)
-from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q
+from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START
 from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
@@ -154,16 +154,20 @@ def forward_folded(call, seqs, k, v):
 def rows_foldable(call, seqs):
     """Whether a call of a few query rows a head on a GQA/MQA group (a chunk of a prefill
     from a cache, speculative decoding's draft rows) runs as the FA-2 forward of its groups
-    (`forward_folded_rows`): a head's rows fill less than half a query tile, and a kv head's
-    keys are more than a thread keeps packed (`_layout.KEPT_BYTES`), so the FA-2 forward, a
-    head at a time, would pack each key block again for every head's few rows (below that,
-    the heads share the packed blocks and folding gains nothing: docs/performance.md, "Large
-    groups, MLA and top-k keys"). Every row must see its keys through the same steps (see
-    `foldable`), causal aside (the sinks join after the merge; with `chunk_size`, each
-    sequence's rows must lie in one chunk). `seqs`: the call's sequence table (each sequence
-    must have a key for every query row)."""
+    (`forward_folded_rows`): a head's rows fill less than half a query tile, and the keys of a
+    kv head its rows see are more than a thread keeps packed (`_layout.KEPT_BYTES`), so the
+    FA-2 forward, a head at a time, would pack each key block again for every head's few rows
+    (below that, the heads share the packed blocks and folding gains nothing: docs/
+    performance.md, "Large groups, MLA and top-k keys"). Every row must see its keys through
+    the same steps (see `foldable`), its window aside: causal or no right side, and a left
+    side, if any, of at least ``Nq - 1`` keys, so that the rows' bands overlap (the sinks join
+    after the merge; with `chunk_size`, each sequence's rows must lie in one chunk). `seqs`:
+    the call's sequence table (each sequence must have a key for every query row)."""
     group = call.n_heads // call.n_kv_heads
     if not (1 < call.n_q and group > 1):
+        return False
+    left, right = call.window
+    if right != (0 if call.causal else -1) or 0 <= left < call.n_q - 1:
         return False
     tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
     n_keys = seqs[:, SEQ_N_K]
@@ -172,10 +176,9 @@ def rows_foldable(call, seqs):
     first = _chunk_start(call, n_keys)
     if call.chunk and np.any((n_keys - 1) // call.chunk * call.chunk != first):
         return False  # a sequence's rows in two chunks see different keys
-    key_bytes = int((n_keys - first).max()) * (call.head_dim + call.head_dim_v) \
-        * call.compute_dtype.itemsize
-    return (2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES
-            and call.window == ((-1, 0) if call.causal else (-1, -1)) and _rows_alike(call))
+    key_bytes = int((n_keys - _window_start(call, n_keys, first)).max()) \
+        * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
+    return 2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES and _rows_alike(call)
 
 
 def _chunk_start(call, n_keys):
@@ -185,28 +188,41 @@ def _chunk_start(call, n_keys):
     return (n_keys - call.n_q) // call.chunk * call.chunk
 
 
+def _window_start(call, n_keys, first, row=0):
+    """Each sequence's first key that query row `row` sees, by the window's left side and the
+    chunk that starts at `first` (`_chunk_start`)."""
+    left = call.window[0]
+    if left < 0:
+        return first
+    return np.maximum(first, n_keys - call.n_q + row - left)
+
+
 def forward_folded_rows(call, seqs, k, v):
     """A `rows_foldable` call as the FA-2 forward of its groups: row ``g * Nq + i`` of kv head
     hk is query row i of head ``hk * group + g``, so a key block is packed once for the whole
-    group's rows. Causal, the rows differ only in the last ``Nq - 1`` keys of their sequence
-    (query row i, at the bottom right, sees keys ``c .. n_k - Nq + i``, c the start of their
-    chunk, 0 without `chunk_size`): the folded rows attend to keys ``c .. n_k - Nq`` with no
-    visibility rule, the heads' rows to the others with causal's, and the two parts merge
-    exactly (`_combine.merge_into`), from outputs in the
-    compute dtype (half-precision ones are rounded once, merged, the sinks joined): the call's
-    memory beside its output is these two parts, of the output's shape. `seqs`, `k`, `v`: as
-    `forward_folded` takes them."""
+    group's rows. The rows differ only at the ends of their bands (query row i, at the bottom
+    right, sees keys ``max(c, n_k - Nq + i - left) .. n_k - Nq + i`` causal, c the start of
+    their chunk, 0 without `chunk_size`): the folded rows attend to the keys every row sees
+    with no visibility rule; causal's last ``Nq - 1`` keys go a head at a time with causal's
+    rule, and the keys a window's left side shows the first rows only go a query row at a
+    time, its group's heads folded (`_window_heads`). The parts merge exactly
+    (`_combine.merge_into`), from outputs in the compute dtype (half-precision ones are rounded
+    once, merged, the sinks joined): the call's memory beside its output is these parts, of the
+    output's shape. `seqs`, `k`, `v`: as `forward_folded` takes them."""
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
     first = _chunk_start(call, n_k)
-    shared = (n_k - n_q + 1 if call.causal else n_k) - first  # the keys every row sees
-    parts = np.empty((2 if call.causal else 1, batch, n_heads, n_q, dv), call.compute_dtype)
+    lo = _window_start(call, n_k, first, n_q - 1)  # each sequence's first key every row sees
+    shared = (n_k - n_q + 1 if call.causal else n_k) - lo  # the keys every row sees
+    window_heads = bool(np.any(_window_start(call, n_k, first) < lo))
+    parts = np.empty((1 + call.causal + window_heads, batch, n_heads, n_q, dv),
+                     call.compute_dtype)
     part_lse = np.empty(parts.shape[:-1], call.compute_dtype)
 
     folded_seqs = seqs.copy()
     folded_seqs[:, SEQ_N_Q] = group * n_q
-    folded_seqs[:, SEQ_K_START] += first
+    folded_seqs[:, SEQ_K_START] += lo
     folded_seqs[:, SEQ_N_K] = shared
     q = call.q.reshape(batch, n_kv, group * n_q, d)  # (a copy where the heads are apart)
     out = parts[0].reshape(batch, n_kv, group * n_q, dv)
@@ -220,11 +236,14 @@ def forward_folded_rows(call, seqs, k, v):
     merged = call.out_kernel if call.half_kind == _call.NATIVE else parts[0].copy()
     if call.causal:
         tail_seqs = seqs.copy()
-        tail_seqs[:, SEQ_K_START] += first + shared
+        tail_seqs[:, SEQ_K_START] += lo + shared
         tail_seqs[:, SEQ_N_K] = n_q - 1  # row i sees the first i of them (bottom right)
-        tail = dataclasses.replace(call, n_k=n_q - 1, chunk=0, out_bhsd=parts[1],
-                                   sinks=no_sinks)
+        tail = dataclasses.replace(call, n_k=n_q - 1, window=(-1, 0), chunk=0,
+                                   out_bhsd=parts[1], sinks=no_sinks)
         forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
+    if window_heads:
+        _window_heads(call, seqs, k, v, first, lo, parts[-1], part_lse[-1])
+    if len(parts) > 1:
         _combine.merge_into(parts, part_lse, merged, call.lse)
     else:
         merged[...] = parts[0]
@@ -233,6 +252,40 @@ def forward_folded_rows(call, seqs, k, v):
         merged[...], call.lse[...] = _combine.add_sinks(merged, call.lse, call.sinks)
     if merged is not call.out_kernel:  # rounded to nearest even, as the kernels round
         call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
+
+
+def _window_heads(call, seqs, k, v, first, lo, out, lse):
+    """`forward_folded_rows`' part of the keys before `lo` (each sequence's first key every
+    row sees) into `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq): query row i sees those from
+    its own first one on (`_window_start`), so its group's heads fold into a sequence of
+    `group` rows that sees them with no visibility rule; a row that sees none of them gets no
+    key (lse -inf)."""
+    batch, n_heads, n_q, d = call.q.shape
+    n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
+    n_k = seqs[:, SEQ_N_K]
+    tables = []
+    for i in range(n_q - 1):  # (the last row sees none)
+        start = _window_start(call, n_k, first, i)
+        table = seqs[start < lo]
+        table[:, SEQ_Q_START] = (table[:, SEQ_Q_START] + i) * group
+        table[:, SEQ_N_Q] = group
+        table[:, SEQ_K_START] += start[start < lo]
+        table[:, SEQ_N_K] = (lo - start)[start < lo]
+        tables.append(table)
+    rows_seqs = np.concatenate(tables)
+    # row i * group + g of kv head hk: query row i of head hk * group + g
+    q = np.ascontiguousarray(
+        call.q.reshape(batch, n_kv, group, n_q, d).swapaxes(2, 3)).reshape(
+            batch, n_kv, n_q * group, d)
+    rows_out = np.zeros((batch, n_kv, n_q * group, dv), call.compute_dtype)
+    rows_lse = np.full(rows_out.shape[:-1], -np.inf, call.compute_dtype)
+    rows = dataclasses.replace(
+        call, q=q, n_heads=n_kv, n_q=n_q * group, n_k=int(rows_seqs[:, SEQ_N_K].max()),
+        causal=False, window=(-1, -1), chunk=0, out_bhsd=rows_out, sinks=call.sinks[:0],
+        tiles=folded_tiles(call, len(rows_seqs) * n_kv, group, _threads.thread_count()))
+    forward(rows, rows_seqs, (q, k, v, rows_out, rows_lse))
+    out[...] = rows_out.reshape(batch, n_kv, n_q, group, dv).swapaxes(2, 3).reshape(out.shape)
+    lse[...] = rows_lse.reshape(batch, n_kv, n_q, group).swapaxes(2, 3).reshape(lse.shape)
 
 
 def _balanced_tiles(call, n_groups, rows, n_threads):

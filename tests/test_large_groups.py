@@ -2,7 +2,7 @@
 head): the streaming kernel takes the group's heads as its rows, or, for bfloat16 where the FA-2
 tiles multiply pairs, the heads are folded into the query rows of one FA-2 tile
 (`_run.forward_folded`); a few rows a head from a long cache fold the same way
-(`_run.forward_folded_rows`). The routes against the dense reference, for every option they
+(`_run.forward_folded_rows`), windows included. The routes against the dense reference, for every option they
 take, and the same bits for any thread count."""
 
 import numba
@@ -143,8 +143,46 @@ def test_folded_rows_in_half_precision(rng, monkeypatch, dtype, causal):
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=causal, plain_dtype=dtype)
 
 
+@pytest.mark.parametrize("n_q", [9, 16])
+@pytest.mark.parametrize("options", [dict(window=(100, 0)), dict(window=(15, 0)),
+                                     dict(window=(100, 0), chunk_size=140),
+                                     dict(window=(40, -1), causal=False),
+                                     dict(window=(100, 0), sinks=np.linspace(-2, 2, 32,
+                                                                           dtype=np.float32))])
+def test_rows_of_a_group_folded_with_a_window(rng, monkeypatch, n_q, options):
+    """A window's left side shows the first rows keys the last ones do not: those go a query
+    row at a time with its group's heads folded (`_run._window_heads`), the rows that see none
+    of them with no key; one entry's rows see keys from 0, where the window cuts none."""
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    rows = []
+    real = _run._window_heads
+    monkeypatch.setattr(_run, "_window_heads", lambda *a: rows.append(True) or real(*a))
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=32, hk=2, n_max=300,
+                                                     d=64, d_v=48, n_new=n_q, n_q=n_q,
+                                                     seqlens=[250, 3])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True,
+                                               **options)
+    assert seen and rows
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens + n_q,
+                  **dict(dict(causal=True), **options))
+
+
+def test_a_window_that_hides_no_key_folds_as_none(rng, monkeypatch):
+    """A window wider than the cache changes nothing: the same bits as without one."""
+    seen = rows_route(monkeypatch, kept_bytes=0)
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=2, hq=32, hk=2, n_max=150, n_q=12,
+                                                     seqlens=[150, 40])
+    results = [cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               return_lse=True, **options)
+               for options in (dict(), dict(window=(150, 0)))]
+    assert len(seen) == 2
+    assert_same_bits(*results)
+
+
 @pytest.mark.parametrize("options", [
-    dict(window=(100, 0)), dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)),
+    dict(window=(10, 0)), dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)),
     dict(chunk_size=140)])  # (rows at 138 .. 149: two chunks)
 def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
     seen = rows_route(monkeypatch, kept_bytes=0)
