@@ -12,6 +12,7 @@ import numpy as np
 
 from . import (_call, _combine, _kvcache, _plans, _quantize, _schedule, _simd_bytes, _threads,
                _validate, tiling)
+from ._simd import LANES_F32
 from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START
 from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
@@ -74,7 +75,8 @@ def kvcache(call, layout, key, return_lse):
     # (a quantized cache always takes the decode kernel, which reads its rows in place:
     # the FA-2 kernel would need a float copy)
     if (group * call.n_q <= tiling.DECODE_MAX_ROWS or call.quantized is not None
-            or (call.n_q <= tiling.DECODE_MAX_QUERIES and not foldable(call))):
+            or (call.n_q <= tiling.DECODE_MAX_QUERIES and not foldable(call))
+            or streams_more_rows(call)):
         setup = Decode(call, layout, call.page_rows * call.block_table.shape[1], 0)
         if key is not None:
             _plans.put(key, setup.frozen())
@@ -92,6 +94,16 @@ def kvcache(call, layout, key, return_lse):
         else:
             forward(call, seqs, (call.q, k, v, call.out_kernel, call.lse))
     return call.result(return_lse)
+
+
+def streams_more_rows(call):
+    """Whether a KV-cache call of more rows a head than `tiling.DECODE_MAX_QUERIES` streams all
+    the same: with AVX-512 vectors, in float32 (float16 widened), up to
+    `tiling.WIDE_DECODE_MAX_QUERIES` rows a head and `tiling.WIDE_DECODE_MAX_ROWS` a kv head."""
+    group = call.n_heads // call.n_kv_heads
+    return (LANES_F32 == 16 and call.compute_dtype == np.float32 and call.half_kind != BFLOAT16
+            and tiling.DECODE_MAX_QUERIES < call.n_q <= tiling.WIDE_DECODE_MAX_QUERIES
+            and group * call.n_q <= tiling.WIDE_DECODE_MAX_ROWS)
 
 
 def foldable(call):

@@ -320,6 +320,13 @@ DECODE_MAX_ROWS = 16
 # the streaming kernel reads it once for the group (Zen 4, and its AVX2 build: 1.2-6.5x at 2-8
 # rows for groups of 8-128; at 16 rows from 0.75x to 1.5x: docs/performance.md, "Large groups")
 DECODE_MAX_QUERIES = 8
+# With AVX-512, in float32 (float16 widened), it streams past that while a kv head's rows stay few:
+# up to this many rows a head and WIDE_DECODE_MAX_ROWS a kv head (Zen 4, groups of 2-8 at 9-16
+# rows: 1.0-1.9x the FA-2 forward; where the FA-2 tiles multiply bfloat16 pairs streaming lost,
+# 0.58-0.76x, as did the AVX2 build at groups of 4-16, 0.63-0.9x: docs/history.md, "Streaming
+# 9-16 rows a head")
+WIDE_DECODE_MAX_QUERIES = 16
+WIDE_DECODE_MAX_ROWS = 128
 # A split shorter than this spends more on merging and per-item set-up than it gains.
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 64

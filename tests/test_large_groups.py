@@ -2,8 +2,8 @@
 head): the streaming kernel takes the group's heads as its rows, or, for bfloat16 where the FA-2
 tiles multiply pairs, the heads are folded into the query rows of one FA-2 tile
 (`_run.forward_folded`); a few rows a head from a long cache fold the same way
-(`_run.forward_folded_rows`), windows included. The routes against the dense reference, for every option they
-take, and the same bits for any thread count."""
+(`_run.forward_folded_rows`), windows included. The routes against the dense reference, for
+every option they take, and the same bits for any thread count."""
 
 import numba
 import numpy as np
@@ -59,6 +59,36 @@ def test_a_few_rows_a_head(rng, n_q, options):
     k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens + n_q,
                   **dict(dict(causal=True), **options))
+
+
+@pytest.mark.parametrize("n_q,hq,streams", [(12, 32, True), (16, 64, True), (9, 128, False)])
+@pytest.mark.parametrize("options", ["", "window softcap", "chunk sinks", "alibi"])
+def test_more_rows_a_head_stream_with_avx512(rng, monkeypatch, n_q, hq, streams, options):
+    """With AVX-512 (forced here), float32 calls of up to 16 rows a head stream while a kv head
+    has at most 128 rows; more rows a kv head, or bfloat16, take the FA-2 forward."""
+    monkeypatch.setattr(_run, "LANES_F32", 16)
+    forwards = []
+    real = _run.forward
+    monkeypatch.setattr(_run, "forward", lambda *a: forwards.append(True) or real(*a))
+    per_head = np.linspace(0.01, 0.3, hq, dtype=np.float32)
+    named = dict(window=dict(window=(60, 0)), softcap=dict(softcap=20.0),
+                 chunk=dict(chunk_size=50), sinks=dict(sinks=per_head * 10 - 1.5),
+                 alibi=dict(alibi_slopes=per_head))
+    options = {key: value for name in options.split() for key, value in named[name].items()}
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=hq, hk=8, n_max=300,
+                                                     d=64, d_v=48, n_new=n_q, n_q=n_q,
+                                                     seqlens=[250, 3])
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True, **options)
+    assert bool(forwards) != streams
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens + n_q,
+                  **dict(dict(causal=True), **options))
+    forwards.clear()
+    half = low_precision_dtype("bfloat16")
+    cpuflash.attention_with_kvcache(q.astype(half), k_cache.astype(half), v_cache.astype(half),
+                                    cache_seqlens=seqlens, **options)
+    assert forwards
 
 
 def rows_route(monkeypatch, kept_bytes=None):
