@@ -209,8 +209,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     integer_dot : bool
         Opt-in, int8 and int4 caches only: the decoding kernel computes ``Q K^T`` in integers,
         each query row quantized to int8 (``s = amax / 127`` of the row, numbers
-        ``rint(q / s)``), as llama.cpp does. The result is the float computation with q
-        replaced by ``rint(q / s) * s``: no longer within the accuracy rule on the dequantized
+        ``rint(q * (1 / s))``), as llama.cpp does. The result is the float computation with q
+        replaced by ``rint(q * (1 / s)) * s``: no longer within the accuracy rule on the dequantized
         cache (docs/quantized_kv.md, "Integer Q K^T", has the measured error and agreement).
         Only on CPUs with AVX512-VNNI (`vpdpbusd`): elsewhere (where it would be slower), and
         with `key_indices` or int4 groups other than 32, the call computes exactly as without

@@ -5,10 +5,10 @@ The exact route widens every cached number to float32 and multiplies it by a flo
 a 2-core machine that arithmetic, not the memory, sets the speed of an 8-bit or 4-bit cache
 (docs/quantized_kv.md, "What binds"). Here each query row is quantized once per work item, as
 llama.cpp does for its quantized caches: ``scale = amax / 127`` of the row (float32), numbers
-``rint(q / scale)`` in int8. Then a key row's bytes multiply the query's bytes four at a time
+``rint(q * (1 / scale))`` in int8. Then a key row's bytes multiply the query's bytes four at a time
 into int32 lanes (`_simd_bytes.bdot`: one `vpdpbusd` with AVX512-VNNI), exactly; only the
 lanes' sums are floats. So the result is the float computation with q replaced by
-``rint(q / scale) * scale`` (plus the order of the sums), and that replacement is the route's
+``rint(q * (1 / scale)) * scale`` (plus the order of the sums), and that replacement is the route's
 whole error: it is opt-in.
 
 `bdot` multiplies an unsigned byte by a signed one. The cache's bytes are made unsigned by an
@@ -88,8 +88,11 @@ def quantize_rows(q_rows, rows, d, int4, qi, q_scale, corr):
         q_scale[r] = scale
         if scale == 0:
             continue
+        # (q / scale as llama.cpp computes it, a product with the reciprocal: the documented
+        # numbers, whatever LLVM's `arcp` flag would make of a division)
+        inverse = np.float32(1.0) / scale
         for x in range(d):
-            number = np.int32(np.rint(q_rows[r, x] / scale))
+            number = np.int32(np.rint(q_rows[r, x] * inverse))
             if int4:  # key byte x // 2 of its chunk, its low (even x) or high nibble
                 byte = x // 2
                 c, m = byte // chunk, byte % chunk
