@@ -140,10 +140,7 @@ def forward_folded(call, seqs, k, v):
     no visibility rule, which every row of the group shares."""
     group = call.n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
-    last = n_k - 1  # the key under the row
-    left = call.window[0]
-    lo = np.maximum(0, last - left) if left >= 0 else np.zeros_like(n_k)
-    lo = np.minimum(np.maximum(lo, _chunk_start(call, n_k)), n_k)
+    lo = np.clip(_window_start(call, n_k, _chunk_start(call, n_k)), 0, n_k)
     folded_seqs = seqs.copy()
     folded_seqs[:, SEQ_N_Q] = group
     folded_seqs[:, SEQ_K_START] += lo
