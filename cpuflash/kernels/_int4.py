@@ -3,8 +3,8 @@
 An int4 row (`cpuflash.quantize_kv`) holds element 2m in the low nibble of byte m and 2m + 1 in
 its high one, with a float32 scale per group of `size` numbers. Splitting a byte's nibbles is
 cheap (`_simd.vload_i4_scaled`: with 16 lanes, a table lookup of each nibble's product with its
-group's scale); interleaving them back into the row's order would add a shuffle to every vector of every key
-and value row, once per four query rows. So the kernel never interleaves: a *unit* of
+group's scale); interleaving them back into the row's order would add a shuffle to every vector
+of every key and value row, once per four query rows. So the kernel never interleaves: a *unit* of
 ``2 * lanes`` numbers (``lanes`` bytes) is read as its even numbers, then its odd ones, and the
 query rows and the output accumulator hold their columns in that order too (`permute_rows`,
 `unpermute`). A dot product does not care in which order it adds, and P V writes each column
