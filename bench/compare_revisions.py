@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 HEADS, HEAD_DIM = 8, 128
 
 
-def _slopes():
-    return (2.0 ** (-8.0 * np.arange(1, HEADS + 1) / HEADS)).astype(np.float32)
+def _slopes(heads=HEADS):
+    return (2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)).astype(np.float32)
 
 
 # name -> (Nq, Nk, options, Hq, Hk, D, dtype); the score-modifier cases of
@@ -42,7 +42,8 @@ def _slopes():
 # with a float16 cache, with D=64, with groups of one and two query heads per KV head, paged
 # (pages of 16 and 256 rows, shuffled), and with int8, float8_e4m3 and int4 (groups of 32) caches
 # (a dtype named by its `cpuflash.quantize_kv` format) too, and 16 query rows a head from a cache
-# (a prefill chunk, speculative decoding's draft rows), with a window too
+# (a prefill chunk, speculative decoding's draft rows), with a window too, and 32 rows a head
+# with ALiBi (the heads of a kv head share each packed key block)
 CASES = {
     "causal": (4096, 4096, dict(causal=True), HEADS, HEADS, HEAD_DIM, np.float32),
     "window": (16384, 16384, dict(window=(256, 0)), HEADS, HEADS, HEAD_DIM, np.float32),
@@ -66,6 +67,8 @@ CASES = {
     "decode-mha-int4": (1, 16384, {}, 8, 8, HEAD_DIM, "int4"),
     "decode-rows16": (16, 16384, {}, 32, 8, HEAD_DIM, np.float32),
     "decode-rows16-window": (16, 16384, dict(window=(8192, 0)), 32, 8, HEAD_DIM, np.float32),
+    "decode-rows32-alibi": (32, 16384, dict(alibi_slopes=_slopes(32)), 32, 8, HEAD_DIM,
+                            np.float32),
 }
 
 

@@ -167,7 +167,9 @@ def rows_foldable(call, seqs):
     kv head its rows see are more than a thread keeps packed (`_layout.KEPT_BYTES`), so the
     FA-2 forward, a head at a time, would pack each key block again for every head's few rows
     (below that, the heads share the packed blocks and folding gains nothing: docs/
-    performance.md, "Large groups, MLA and top-k keys"). Every row must see its keys through
+    performance.md, "Large groups, MLA and top-k keys"). Work items of several heads
+    (`_heads_an_item`) pack each block once too, but at 9-16 rows a head the folded tiles ran
+    1.06-1.31x faster, their micro-kernels' row groups full. Every row must see its keys through
     the same steps (see `foldable`), its window aside: causal or no right side, and a left
     side, if any, of at least ``Nq - 1`` keys, so that the rows' bands overlap (the sinks join
     after the merge; with `chunk_size`, each sequence's rows must lie in one chunk). `seqs`:
@@ -378,35 +380,39 @@ def forward(call, seqs, arrays=None, plan=None):
                  _threads.FORKED_AFTER_OPENMP)
         launch = _plans.launch(plan, valid,
                                lambda: _forward_launch(call, seqs, n_threads, out.dtype))
-    kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline = launch
-    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align,
+    kernel, items, chunk_ptr, block_q, block_k, key_align, heads, pipeline = launch
+    kernel(q, k, v, out, lse, seqs, items, chunk_ptr, block_q, block_k, key_align, heads,
            call.half_kind, *pipeline)
 
 
 def _forward_launch(call, seqs, n_threads, out_dtype):
-    """(kernel, items, chunk_ptr, block_q, block_k, key_align, pipeline): the FA-2 kernel's
-    arguments that the call's shapes, options and the thread count decide (and the dtype of
-    the output it writes: the inputs', or the compute dtype for a part to merge)."""
-    key = ("forward", seqs.tobytes(), call.n_heads, call.window, call.chunk, call.head_dim,
-           call.head_dim_v, call.compute_dtype, call.tiles, n_threads, tiling.choose_tiles,
-           tiling.split_for_threads)
-    tiles, key_align, items, chunk_ptr = _plans.schedule(
+    """(kernel, items, chunk_ptr, block_q, block_k, key_align, heads, pipeline): the FA-2
+    kernel's arguments that the call's shapes, options and the thread count decide (and the
+    dtype of the output it writes: the inputs', or the compute dtype for a part to merge)."""
+    key = ("forward", seqs.tobytes(), call.n_heads, call.n_kv_heads, call.window, call.chunk,
+           call.head_dim, call.head_dim_v, call.compute_dtype, call.tiles, n_threads,
+           tiling.choose_tiles, tiling.split_for_threads, _heads_an_item, KEPT_BYTES)
+    tiles, key_align, heads, items, chunk_ptr = _plans.schedule(
         key, lambda: _forward_schedule(call, seqs, n_threads))
     kernel_key = call.kernel_key()
     if out_dtype != call.q.dtype:
         kernel_key += (out_dtype,)
     kernel = (fa2_forward_plain if call.plain() else fa2_forward).specialize(kernel_key)
-    return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align,
+    return (kernel, items, chunk_ptr, tiles.block_q, tiles.block_k, key_align, heads,
             call.kernel_pipeline())
 
 
 def _forward_schedule(call, seqs, n_threads):
-    """(tiles, key_align, items, chunk_ptr) of the FA-2 forward over the sequences `seqs`."""
+    """(tiles, key_align, heads, items, chunk_ptr) of the FA-2 forward over the sequences
+    `seqs` (`heads`: the heads a work item runs, `_heads_an_item`)."""
     tiles = call.tiles
     longest_q, longest_k = int(seqs[:, SEQ_N_Q].max()), int(seqs[:, SEQ_N_K].max())
+    heads = 1
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
-        tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads, n_threads)
+        heads = _heads_an_item(call, tiles, longest_q, longest_k, len(seqs), n_threads)
+        tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads // heads,
+                                         n_threads)
         tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
         tiles, key_align = tiling.band_tiles(tiles, call.window)  # sized for the clamped rows
     else:
@@ -414,9 +420,32 @@ def _forward_schedule(call, seqs, n_threads):
     tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
     key_align = min(key_align, tiles.block_k)
     items, cost = _schedule.work_items(seqs, call.n_heads, tiles.block_q, call.window,
-                                       call.chunk, key_align)
+                                       call.chunk, key_align, heads)
     items, chunk_ptr = _schedule.balance(items, cost, n_threads)
-    return tiles, key_align, items, chunk_ptr
+    return tiles, key_align, heads, items, chunk_ptr
+
+
+def _heads_an_item(call, tiles, longest_q, longest_k, n_seqs, n_threads):
+    """How many heads of a kv head a work item of the FA-2 forward runs, each key block packed
+    once for all of them: more than one where a head's rows fill at most half a query tile
+    and the keys a kv head's rows see outgrow the packed blocks a thread keeps
+    (`_layout.KEPT_BYTES`), which a head at a time would pack again for every head's few rows
+    (a chunk of a prefill from a cache with a modifier the folded rows do not take, speculative
+    decoding's draft rows). Then the most heads (a divisor of the group) whose rows hold no more
+    state than one query tile (`tiling.choose_tiles`' L2 model) and that leave each thread an
+    item. A head's steps do not depend on the heads beside it, so neither do the results."""
+    group = call.n_heads // call.n_kv_heads
+    left, right = call.window
+    seen = longest_k if left < 0 else min(longest_k, left + max(right, 0) + longest_q)
+    if call.chunk:
+        seen = min(seen, call.chunk)
+    key_bytes = seen * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
+    rows = tiling.round_rows(longest_q)
+    if group == 1 or 2 * rows > tiles.block_q or key_bytes <= KEPT_BYTES:
+        return 1
+    fits = [h for h in range(2, group + 1) if group % h == 0 and h * rows <= tiles.block_q
+            and n_seqs * call.n_heads // h >= n_threads]
+    return max(fits, default=1)
 
 
 # The thread count that decides the key splits of `attention` calls taken by the decode kernel:

@@ -40,9 +40,10 @@ def varlen_table(cu_q, cu_k):
     return seqs
 
 
-def work_items(seqs, n_heads, block_q, window, chunk, key_align):
+def work_items(seqs, n_heads, block_q, window, chunk, key_align, heads=1):
     """All (sequence, head, first row) items and the number of query-key pairs each may see
-    (a tile's first key block starts at a multiple of `key_align`, as in the kernel)."""
+    (a tile's first key block starts at a multiple of `key_align`, as in the kernel); with
+    `heads`, an item runs that many heads from its own (which `heads` divides)."""
     n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
     seq, q0 = _blocks(n_q, block_q)
     rows = np.minimum(block_q, n_q[seq] - q0)
@@ -50,7 +51,10 @@ def work_items(seqs, n_heads, block_q, window, chunk, key_align):
     left, right = window
     diag0 = q0 + n_k[seq] - n_q[seq]
     k_lo, k_hi = visible_keys(diag0, rows, n_k[seq], left, right, chunk, 0, key_align)
-    return _per_head(seq, q0, rows * np.maximum(0, k_hi - k_lo), n_heads)
+    items, cost = _per_head(seq, q0, rows * np.maximum(0, k_hi - k_lo) * heads,
+                            n_heads // heads)
+    items[:, ITEM_HEAD] *= heads
+    return items, cost
 
 
 def key_items(seqs, n_kv_heads, group, block_k, block_q, window, chunk):

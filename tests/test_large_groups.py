@@ -375,3 +375,83 @@ def test_value_dim_errors(rng, arguments, error, match):
     with pytest.raises(error, match=match):
         cpuflash.attention_with_kvcache(q, latent, v_cache, **arguments)
     np.testing.assert_array_equal(latent, before)
+
+
+# -- a work item of several heads: each key block packed once for a group's heads
+
+def heads_route(monkeypatch, several):
+    """Make the FA-2 forward's work items run several heads of a kv head each where the call
+    allows it (as if a thread kept no packed keys), or one head each; returns the list of the
+    heads an item that each FA-2 call took."""
+    taken = []
+    real = _run._heads_an_item
+    monkeypatch.setattr(_run, "KEPT_BYTES", 0)
+    monkeypatch.setattr(_run, "_heads_an_item", lambda *a: taken.append(
+        real(*a) if several else 1) or taken[-1])
+    return taken
+
+
+def rel(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, q_idx - kv_idx + 300]
+
+
+def odd_keys(b, h, q_idx, kv_idx):
+    return kv_idx % 3 != 1
+
+
+HEAD_TABLE = np.random.default_rng(7).standard_normal((32, 601)).astype(np.float32)
+
+
+@pytest.mark.parametrize("options", [
+    dict(alibi_slopes=np.linspace(0.01, 0.3, 32, dtype=np.float32)),
+    dict(window=(10, 0), sinks=np.linspace(-2, 2, 32, dtype=np.float32)),
+    dict(chunk_size=140, softcap=10.0), dict(causal=False, window=(30, 5)),
+    dict(score_mod=rel, score_args=(HEAD_TABLE,)), dict(mask_mod=odd_keys)],
+    ids=["alibi", "window-sinks", "chunks-softcap", "window-both-sides", "score_mod",
+         "mask_mod"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_several_heads_an_item_give_the_bits_of_one(rng, monkeypatch, options, dtype):
+    """Chunked prefill from a cache with steps the folded rows do not take: the heads of a
+    kv head share each packed key block, with the bits of a head at a time."""
+    dtype = low_precision_dtype(dtype)
+    q, k_cache, v_cache, _, _, seqlens = cache_case(rng, batch=2, hq=32, hk=2, n_max=300,
+                                                     n_q=12, seqlens=[300, 40], dtype=dtype)
+    results = []
+    for several in (True, False):
+        taken = heads_route(monkeypatch, several)
+        results.append(cpuflash.attention_with_kvcache(q, k_cache, v_cache, return_lse=True,
+                                                       cache_seqlens=seqlens, **options))
+        assert (max(taken) > 1) == several
+    assert_same_bits(*results)
+    reference = dict(options, causal=options.get("causal", True))
+    if "score_mod" in options:
+        del reference["score_mod"], reference["score_args"]
+        n = np.arange(300)
+        reference["bias"] = HEAD_TABLE[:, n[288:, None] - n[None] + 300]
+    if "mask_mod" in options:
+        del reference["mask_mod"]
+        reference["mask"] = np.broadcast_to(np.arange(300) % 3 != 1, (12, 300))
+    out, lse = results[0]
+    if "bias" not in reference and "mask" not in reference:
+        check_kvcache(out, lse, q, k_cache, v_cache, seqlens, plain_dtype=dtype, **reference)
+    else:  # (the sequence of 300 keys: the bias and mask are its)
+        assert_close_to_reference(out[0], q[0], k_cache[0], v_cache[0], lse=lse[0],
+                                  plain_dtype=dtype, **reference)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_several_heads_an_item_in_attention(rng, monkeypatch, dtype):
+    """`attention` of a few rows over many keys with a bias and a mask (MQA: the heads of the
+    one kv head are dealt to items of several heads); the same bits as a head an item."""
+    q = rng.standard_normal((1, 8, 20, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, 1, 500, 64)).astype(dtype) for _ in range(2))
+    bias = rng.standard_normal((1, 8, 20, 500)).astype(np.float32)
+    mask = rng.random((20, 500)) < 0.8
+    results = []
+    for several in (True, False):
+        taken = heads_route(monkeypatch, several)
+        results.append(cpuflash.attention(q, k, v, bias=bias, mask=mask, return_lse=True))
+        assert (max(taken) > 1) == several
+    assert_same_bits(*results)
+    assert_close_to_reference(results[0][0][0], q[0], k[0], v[0], lse=results[0][1][0],
+                              bias=bias[0], mask=mask, plain_dtype=q.dtype)

@@ -73,6 +73,15 @@ def tile_buffers(block_q, block_k, d, dv, like, n_keys=0, key_align=1):
 
 
 @jit
+def per_head(buffer, heads):
+    """`heads` zeroed buffers shaped as `buffer` (a thread's tile state), as one array: ``[j]``
+    for head j of a work item; for one head, `buffer` itself."""
+    if heads == 1:
+        return buffer.reshape((1,) + buffer.shape)
+    return aligned_zeros((heads,) + buffer.shape, buffer.dtype)
+
+
+@jit
 def kept_count(n_keys, key_align, block_bytes):
     """How many packed key blocks a thread keeps: one per block of `n_keys` keys from
     multiples of `key_align`, up to `KEPT_BYTES` (at least one)."""
