@@ -8,7 +8,8 @@ Cases (float32 unless named; one query row a head, the whole cache attended):
 
 * ``mla-128``: q (1, 128, 1, 576) on one latent head of N rows, whose first 512 dims are the
   values (``v_cache = k_cache[..., :512]``), N = 8192 and 65536; ``mla-16``: one tensor-parallel
-  shard of it (16 heads); ``mla-128-bf16``: the latent cache in bfloat16 (q too);
+  shard of it (16 heads); ``mla-128-bf16``: the latent cache in bfloat16 (q too), against
+  cpuflash on the same cache in float32 too;
 * ``mqa-64``: 64 heads on one kv head, D = 128, N = 16384;
 * ``prefill-64``: Hq 64 on Hk 1, N = 4096, D = 128, causal (torch SDPA with ``enable_gqa``);
 * ``chunk-64``: the same group, 16 new query rows a head against a cache of 16384 (a chunk of
@@ -122,6 +123,11 @@ def run(name, threads, repeats):
         theirs = {"three lines": lambda: three_lines(tq, tk, tv, scale)}
         if d == dv:  # (at D = 576 SDPA computes densely in its math kernel: seconds a call)
             theirs["sdpa"] = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+        if dtype == "bfloat16":  # the target: the same step on a float32 cache, interleaved
+            wide = [np.asarray(x, dtype=np.float32) for x in (q, k)]
+            wide.append(wide[1][..., :dv] if dv < d else np.asarray(v, dtype=np.float32))
+            theirs["cpuflash float32 cache"] = lambda: cpuflash.attention_with_kvcache(
+                *wide, causal=False)
     if prefill:  # (a float64 reference would hold Nq x Nk scores per head)
         expected = theirs["sdpa"]().double().numpy()
     else:

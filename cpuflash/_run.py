@@ -13,7 +13,7 @@ import numpy as np
 from . import (_call, _combine, _kvcache, _plans, _quantize, _schedule, _simd_bytes, _threads,
                _validate, tiling)
 from ._simd import LANES_F32
-from .kernels._band import SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START
+from .kernels._band import SEQ_BATCH_Q, SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START
 from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
@@ -51,7 +51,8 @@ def attention(call, layout, key, out_given, return_lse):
         decode(setup, call.q, call.k, call.v, n_keys, call.n_k, call.out_bhsd, call.lse,
                call.sinks)
     elif foldable(call):
-        forward_folded(call, _schedule.sequence_table(1, call.n_k, call.batch), call.k, call.v)
+        forward_folded(call, _schedule.sequence_table(1, call.n_k, call.batch), call.k, call.v,
+                       1)  # (unsplit: see `_folded_splits`)
     else:
         seqs = _schedule.sequence_table(call.n_q, call.n_k, call.batch)
         if rows_foldable(call, seqs):
@@ -88,7 +89,7 @@ def kvcache(call, layout, key, return_lse):
         seqs = _schedule.sequence_table(call.n_q, 0, call.batch)
         seqs[:, SEQ_N_K] = call.n_keys
         if foldable(call):
-            forward_folded(call, seqs, k, v)
+            forward_folded(call, seqs, k, v, _threads.thread_count())
         elif rows_foldable(call, seqs):
             forward_folded_rows(call, seqs, k, v)
         else:
@@ -129,35 +130,75 @@ def _rows_alike(call):
             and call.user is _call.NO_USER_FUNCTIONS)
 
 
-def forward_folded(call, seqs, k, v):
+def forward_folded(call, seqs, k, v, split_threads):
     """A `foldable` call as the FA-2 forward of its groups: the heads of a kv head are the query
     rows of one tile, so each key block is read once per tile of rows, not once per head (and
     a thread gets rows enough for its micro-kernels). `seqs`: the call's sequence table, one
-    query row a sequence; `k`, `v`: the keys and values as the kernel reads them.
+    query row a sequence; `k`, `v`: the keys and values as the kernel reads them;
+    `split_threads`: the thread count that sets the key splits (`_folded_splits`).
 
     One row sees keys ``lo .. n_k - 1`` of its sequence, by its window and chunk (the key under
     the row is the last one, so causal hides none): the folded call attends to that range with
-    no visibility rule, which every row of the group shares."""
+    no visibility rule, which every row of the group shares. Split, each split's rows are a
+    sequence of their own, written into a part of the output's shape, and the parts merge
+    exactly (`_combine.merge_into`) in the compute dtype."""
     group = call.n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
     lo = np.clip(_window_start(call, n_k, _chunk_start(call, n_k)), 0, n_k)
-    folded_seqs = seqs.copy()
+    n_groups = call.batch * call.n_kv_heads
+    n_splits, split_len = _folded_splits(call, n_groups, int((n_k - lo).max()), split_threads)
+    # split s of batch entry b: sequence s * B + b, its rows batch s * B + b of q and out
+    folded_seqs = np.concatenate([seqs] * n_splits)
+    start = np.tile(lo, n_splits) + np.repeat(np.arange(n_splits) * split_len, len(seqs))
+    folded_seqs[:, SEQ_BATCH_Q] += np.repeat(np.arange(n_splits) * len(seqs), len(seqs))
     folded_seqs[:, SEQ_N_Q] = group
-    folded_seqs[:, SEQ_K_START] += lo
-    folded_seqs[:, SEQ_N_K] = n_k - lo
+    folded_seqs[:, SEQ_K_START] += start
+    folded_seqs[:, SEQ_N_K] = np.clip(np.tile(n_k, n_splits) - start, 0, split_len)
 
     def rows(x):  # (B, Hq, 1, X) as (B, Hk, group, X): row g of kv head hk is head hk*group+g
         s = x.strides
         return np.lib.stride_tricks.as_strided(
             x, (x.shape[0], call.n_kv_heads, group, x.shape[3]), (s[0], s[1] * group, s[1], s[3]))
 
-    q, out = rows(call.q), rows(call.out_kernel)
-    lse = call.lse.reshape(call.batch, call.n_kv_heads, group)
+    if n_splits == 1:
+        q, out = rows(call.q), rows(call.out_kernel)
+        lse = call.lse.reshape(call.batch, call.n_kv_heads, group)
+    else:
+        parts = np.empty((n_splits * call.batch,) + call.out_kernel.shape[1:],
+                         call.compute_dtype)
+        part_lse = np.empty((n_splits * call.batch,) + call.lse.shape[1:], call.compute_dtype)
+        q, out = np.concatenate([rows(call.q)] * n_splits), rows(parts)
+        lse = part_lse.reshape(-1, call.n_kv_heads, group)
     folded = dataclasses.replace(
-        call, q=q, n_heads=call.n_kv_heads, n_q=group, n_k=int(n_k.max()), causal=False,
-        window=(-1, -1), chunk=0, out_bhsd=out,
-        tiles=folded_tiles(call, call.batch * call.n_kv_heads, group, _threads.thread_count()))
+        call, q=q, n_heads=call.n_kv_heads, n_q=group, n_k=int(folded_seqs[:, SEQ_N_K].max()),
+        causal=False, window=(-1, -1), chunk=0, out_bhsd=out,
+        tiles=folded_tiles(call, n_groups * n_splits, group, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
+    if n_splits > 1:
+        merged = call.out_kernel if call.half_kind == _call.NATIVE else \
+            np.empty(call.out_kernel.shape, call.compute_dtype)
+        _combine.merge_into(parts.reshape((n_splits, call.batch) + parts.shape[1:]),
+                            part_lse.reshape((n_splits,) + call.lse.shape), merged, call.lse)
+        if merged is not call.out_kernel:  # rounded to nearest even, as the kernels round
+            call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
+
+
+def _folded_splits(call, n_groups, n_keys, n_threads):
+    """(splits, keys a split) of `forward_folded`'s keys: the call's `num_splits`, or where its
+    `n_groups` groups leave some of `n_threads` threads without one, a split of each group a
+    thread, of at least `tiling.MIN_SPLIT_KEYS` keys, from key block borders. The threads then
+    share a group's keys, each packing its own, not its rows, each packing all of them: bfloat16
+    MLA (128 heads on one latent head, D576, 8192-65536 keys) 1.14-1.19x, MQA 64/1 D128 1.25x,
+    on 2 threads (Zen 4); one thread split ran 4% slower, and four splits on two threads
+    no faster than none. `attention` calls pass one thread: their bits may not depend on the
+    thread count, and a fixed count of splits would run no faster than none on a few cores."""
+    block_k = tiling.choose_tiles(call.head_dim, call.compute_dtype,
+                                  head_dim_v=call.head_dim_v).block_k
+    n_splits = call.num_splits or max(1, min(-(-n_threads // n_groups),
+                                             n_keys // tiling.MIN_SPLIT_KEYS))
+    n_splits = max(1, min(n_splits, -(-n_keys // block_k)))
+    split_len = -(-n_keys // n_splits)
+    return n_splits, -(-split_len // block_k) * block_k
 
 
 def rows_foldable(call, seqs):
@@ -317,11 +358,14 @@ def folded_tiles(call, n_groups, group, n_threads):
     """The tiles of a call whose `n_groups` groups of `group` rows each see the same keys (a
     folded decoding step, `_sparse`'s gathered rows): a group's rows are dealt in as few tiles
     as keep the threads busy (`split_for_threads` aims at two a thread, for calls whose tiles
-    differ in cost), each read of a key block serving the most rows the cache model allows."""
+    differ in cost), of up to `tiling.MAX_BLOCK_Q` rows whatever the cache model's
+    `block_q`: each tile packs every key block it reads again, which cost more than its state's
+    spill from L2 (bfloat16 MLA, D576, 128-384 heads on one thread: one tile 1.05-1.12x tiles
+    of the model's 120 rows; top-2048 keys in float32 1.10x; Zen 4)."""
     tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
     per_head = -(-n_threads // n_groups)  # tiles of a group's rows
     block_q = tiling.round_rows(-(-group // per_head))
-    return tiling.TileConfig(min(block_q, tiles.block_q), tiles.block_k)
+    return tiling.TileConfig(min(block_q, tiling.MAX_BLOCK_Q), tiles.block_k)
 
 
 class Forward:

@@ -223,6 +223,48 @@ def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
     check_kvcache(out, lse, q, k_cache, v_cache, seqlens, causal=True, **options)
 
 
+@pytest.mark.parametrize("splits,threads,taken_splits,options", [
+    (2, None, 2, dict()), (3, None, 3, dict(window=(1500, 0))), (3, None, 3, dict(chunk_size=1536)),
+    (0, 4, 2, dict()), (0, 4, 2, dict(window=(1500, 0)))])
+def test_folded_keys_split(rng, monkeypatch, splits, threads, taken_splits, options):
+    """The folded route's keys split (each thread packing the key blocks of its split), the
+    parts merged: by `num_splits`, or automatically where the groups leave threads idle (here
+    as if there were `threads`: two splits of each of the two groups); a split may hold no key
+    of a short sequence."""
+    seen = route(monkeypatch, True)
+    taken = []
+    real = _run._folded_splits
+    monkeypatch.setattr(_run, "_folded_splits", lambda *a: taken.append(real(*a)) or taken[-1])
+    if threads:
+        monkeypatch.setattr(_run._threads, "thread_count", lambda: threads)
+    dtype = low_precision_dtype("bfloat16")
+    q, k_cache, v_cache, k, v, seqlens = cache_case(rng, batch=2, hq=32, hk=1, n_max=2100,
+                                                     d=72, d_v=40, seqlens=[2090, 300],
+                                                     dtype=dtype)
+    out, lse = cpuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v,
+                                               cache_seqlens=seqlens, return_lse=True,
+                                               num_splits=splits, **options)
+    assert seen and taken[0][0] == taken_splits
+    k_cache, v_cache = with_new_keys(k_cache, k, seqlens), with_new_keys(v_cache, v, seqlens)
+    check_kvcache(out, lse, q, k_cache, v_cache, seqlens + 1, plain_dtype=dtype,
+                  **dict(dict(causal=True), **options))
+
+
+def test_folded_attention_is_not_split(rng, monkeypatch):
+    """An `attention` call's bits may not depend on the thread count: its keys stay whole."""
+    route(monkeypatch, True)
+    taken = []
+    real = _run._folded_splits
+    monkeypatch.setattr(_run, "_folded_splits", lambda *a: taken.append(real(*a)) or taken[-1])
+    monkeypatch.setattr(_run._threads, "thread_count", lambda: 4)
+    dtype = low_precision_dtype("bfloat16")
+    q = rng.standard_normal((1, 64, 1, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, 2, 3000, 64)).astype(dtype) for _ in range(2))
+    out = cpuflash.attention(q, k, v)
+    assert taken == [(1, 3072)]
+    assert_close_to_reference(out[0], q[0], k[0], v[0], plain_dtype=dtype)
+
+
 @pytest.mark.parametrize("folded", [False, True], ids=["streaming", "folded"])
 def test_mla_values_inside_the_keys(rng, monkeypatch, folded):
     """DeepSeek's absorbed MLA: 128 heads of 576 dims on one latent row, whose first 512 dims
