@@ -184,18 +184,26 @@ def forward_folded(call, seqs, k, v, split_threads):
 
 
 def _folded_splits(call, n_groups, n_keys, n_threads):
-    """(splits, keys a split) of `forward_folded`'s keys: the call's `num_splits`, or where its
-    `n_groups` groups leave some of `n_threads` threads without one, a split of each group a
-    thread, of at least `tiling.MIN_SPLIT_KEYS` keys, from key block borders. The threads then
-    share a group's keys, each packing its own, not its rows, each packing all of them: bfloat16
-    MLA (128 heads on one latent head, D576, 8192-65536 keys) 1.14-1.19x, MQA 64/1 D128 1.25x,
-    on 2 threads (Zen 4); one thread split ran 4% slower, and four splits on two threads
-    no faster than none. `attention` calls pass one thread: their bits may not depend on the
-    thread count, and a fixed count of splits would run no faster than none on a few cores."""
+    """(splits, keys a split) of `forward_folded`'s keys: the call's `num_splits`, or the fewest
+    splits of each of its `n_groups` groups that deal the work most evenly over `n_threads`
+    threads (with `folded_tiles`' tiles of rows), of at least `tiling.MIN_SPLIT_KEYS` keys,
+    from key block borders. Three groups on two threads take two splits each: bfloat16 MLA
+    (128 heads on one latent head, D576, 4096 keys, the caches flushed between calls) 1.20x,
+    Zen 4. One group on two threads takes none: its rows already spread over both, and split
+    it ran 0.92x. `attention` calls pass one thread: their bits may not depend on the thread
+    count."""
     block_k = tiling.choose_tiles(call.head_dim, call.compute_dtype,
                                   head_dim_v=call.head_dim_v).block_k
-    n_splits = call.num_splits or max(1, min(-(-n_threads // n_groups),
-                                             n_keys // tiling.MIN_SPLIT_KEYS))
+
+    def load(splits):  # the busiest thread's share of a group
+        tiles = -(-n_threads // (n_groups * splits))  # of a group's rows a split (`folded_tiles`)
+        return -(-n_groups * splits * tiles // n_threads) / (splits * tiles)
+
+    n_splits = call.num_splits
+    if not n_splits:
+        most = max(4, -(-n_threads // n_groups))
+        n_splits = min(range(1, most + 1), key=lambda s: (load(s), s))
+        n_splits = max(1, min(n_splits, n_keys // tiling.MIN_SPLIT_KEYS))
     n_splits = max(1, min(n_splits, -(-n_keys // block_k)))
     split_len = -(-n_keys // n_splits)
     return n_splits, -(-split_len // block_k) * block_k

@@ -225,12 +225,13 @@ def test_rows_that_differ_are_not_folded(rng, monkeypatch, options):
 
 @pytest.mark.parametrize("splits,threads,taken_splits,options", [
     (2, None, 2, dict()), (3, None, 3, dict(window=(1500, 0))), (3, None, 3, dict(chunk_size=1536)),
-    (0, 4, 2, dict()), (0, 4, 2, dict(window=(1500, 0)))])
+    (0, 3, 3, dict()), (0, 3, 2, dict(window=(1500, 0))), (0, 2, 1, dict()), (0, 4, 1, dict())])
 def test_folded_keys_split(rng, monkeypatch, splits, threads, taken_splits, options):
     """The folded route's keys split (each thread packing the key blocks of its split), the
-    parts merged: by `num_splits`, or automatically where the groups leave threads idle (here
-    as if there were `threads`: two splits of each of the two groups); a split may hold no key
-    of a short sequence."""
+    parts merged: by `num_splits`, or automatically where the groups and their tiles of rows
+    would leave threads idle (here as if there were `threads`: two groups on three threads take
+    three splits each, on two or four none; 1501 keys make at most two splits of 512 keys);
+    a split may hold no key of a short sequence."""
     seen = route(monkeypatch, True)
     taken = []
     real = _run._folded_splits
