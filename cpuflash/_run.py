@@ -188,7 +188,7 @@ def _folded_splits(call, n_groups, n_keys, n_threads):
     splits of each of its `n_groups` groups that deal the work most evenly over `n_threads`
     threads (with `folded_tiles`' tiles of rows), of at least `tiling.MIN_SPLIT_KEYS` keys,
     from key block borders. Three groups on two threads take two splits each: bfloat16 MLA
-    (128 heads on one latent head, D576, 4096 keys, the caches flushed between calls) 1.20x,
+    (128 heads on one latent head, D576, 4096 keys, the caches flushed between calls) 1.06-1.20x,
     Zen 4. One group on two threads takes none: its rows already spread over both, and split
     it ran 0.92x. `attention` calls pass one thread: their bits may not depend on the thread
     count."""
