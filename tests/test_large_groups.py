@@ -477,7 +477,7 @@ def test_several_heads_an_item_give_the_bits_of_one(rng, monkeypatch, options, d
     out, lse = results[0]
     if "bias" not in reference and "mask" not in reference:
         check_kvcache(out, lse, q, k_cache, v_cache, seqlens, plain_dtype=dtype, **reference)
-    else:  # (the sequence of 300 keys: the bias and mask are its)
+    else:  # (batch entry 0, the one whose 300 keys the bias and mask are built for)
         assert_close_to_reference(out[0], q[0], k_cache[0], v_cache[0], lse=lse[0],
                                   plain_dtype=dtype, **reference)
 
