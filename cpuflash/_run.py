@@ -13,7 +13,8 @@ import numpy as np
 from . import (_call, _combine, _kvcache, _plans, _quantize, _schedule, _simd_bytes, _threads,
                _validate, tiling)
 from ._simd import LANES_F32
-from .kernels._band import SEQ_BATCH_Q, SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START
+from .kernels._band import (SEQ_BATCH_Q, SEQ_K_START, SEQ_N_K, SEQ_N_Q, SEQ_Q_START,
+                            visible_keys)
 from .kernels._layout import KEPT_BYTES
 from .kernels._convert import BFLOAT16
 from .kernels._pairs import FORWARD_PAIRS
@@ -144,7 +145,7 @@ def forward_folded(call, seqs, k, v, split_threads):
     exactly (`_combine.merge_into`) in the compute dtype."""
     group = call.n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
-    lo = np.clip(_window_start(call, n_k, _chunk_start(call, n_k)), 0, n_k)
+    lo = np.clip(_window_start(call, n_k), 0, n_k)
     n_groups = call.batch * call.n_kv_heads
     n_splits, split_len = _folded_splits(call, n_groups, int((n_k - lo).max()), split_threads)
     # split s of batch entry b: sequence s * B + b, its rows batch s * B + b of q and out
@@ -175,12 +176,8 @@ def forward_folded(call, seqs, k, v, split_threads):
         tiles=folded_tiles(call, n_groups * n_splits, group, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
     if n_splits > 1:
-        merged = call.out_kernel if call.half_kind == _call.NATIVE else \
-            np.empty(call.out_kernel.shape, call.compute_dtype)
-        _combine.merge_into(parts.reshape((n_splits, call.batch) + parts.shape[1:]),
-                            part_lse.reshape((n_splits,) + call.lse.shape), merged, call.lse)
-        if merged is not call.out_kernel:  # rounded to nearest even, as the kernels round
-            call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
+        _merge_parts(call, parts.reshape((n_splits, call.batch) + parts.shape[1:]),
+                     part_lse.reshape((n_splits,) + call.lse.shape))
 
 
 def _folded_splits(call, n_groups, n_keys, n_threads):
@@ -196,7 +193,7 @@ def _folded_splits(call, n_groups, n_keys, n_threads):
                                   head_dim_v=call.head_dim_v).block_k
 
     def load(splits):  # the busiest thread's share of a group
-        tiles = -(-n_threads // (n_groups * splits))  # of a group's rows a split (`folded_tiles`)
+        tiles = _row_tiles(n_groups * splits, n_threads)
         return -(-n_groups * splits * tiles // n_threads) / (splits * tiles)
 
     n_splits = call.num_splits
@@ -233,28 +230,26 @@ def rows_foldable(call, seqs):
     n_keys = seqs[:, SEQ_N_K]
     if int(n_keys.min()) < call.n_q:
         return False
-    first = _chunk_start(call, n_keys)
-    if call.chunk and np.any((n_keys - 1) // call.chunk * call.chunk != first):
+    if call.chunk and np.any((n_keys - 1) // call.chunk != (n_keys - call.n_q) // call.chunk):
         return False  # a sequence's rows in two chunks see different keys
-    key_bytes = int((n_keys - _window_start(call, n_keys, first)).max()) \
-        * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
-    return 2 * call.n_q <= tiles.block_q and key_bytes > KEPT_BYTES and _rows_alike(call)
+    return (2 * call.n_q <= tiles.block_q and _visible_key_bytes(call, seqs) > KEPT_BYTES
+            and _rows_alike(call))
 
 
-def _chunk_start(call, n_keys):
-    """Each sequence's first key its first query row sees by `chunk_size` (0 without one)."""
-    if not call.chunk:
-        return np.zeros_like(n_keys)
-    return (n_keys - call.n_q) // call.chunk * call.chunk
+def _window_start(call, n_keys, row=0):
+    """Each sequence's first key that query row `row` (at the bottom right of `n_keys` keys)
+    sees, by the window's left side and its chunk."""
+    left, right = call.window
+    return visible_keys(n_keys - call.n_q + row, 1, n_keys, left, right, call.chunk, 0, 1)[0]
 
 
-def _window_start(call, n_keys, first, row=0):
-    """Each sequence's first key that query row `row` sees, by the window's left side and the
-    chunk that starts at `first` (`_chunk_start`)."""
-    left = call.window[0]
-    if left < 0:
-        return first
-    return np.maximum(first, n_keys - call.n_q + row - left)
+def _visible_key_bytes(call, seqs):
+    """The bytes of the keys and values that all the query rows of a sequence of `seqs` see
+    together, in the sequence that shows the most (`_band.visible_keys`, as a tile of them all
+    reads them)."""
+    n_q, n_k = seqs[:, SEQ_N_Q], seqs[:, SEQ_N_K]
+    lo, hi = visible_keys(n_k - n_q, n_q, n_k, *call.window, call.chunk, 0, 1)
+    return int((hi - lo).max()) * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
 
 
 def forward_folded_rows(call, seqs, k, v):
@@ -272,10 +267,9 @@ def forward_folded_rows(call, seqs, k, v):
     batch, n_heads, n_q, d = call.q.shape
     n_kv, dv, group = call.n_kv_heads, call.head_dim_v, n_heads // call.n_kv_heads
     n_k = seqs[:, SEQ_N_K]
-    first = _chunk_start(call, n_k)
-    lo = _window_start(call, n_k, first, n_q - 1)  # each sequence's first key every row sees
+    lo = _window_start(call, n_k, n_q - 1)  # each sequence's first key every row sees
     shared = (n_k - n_q + 1 if call.causal else n_k) - lo  # the keys every row sees
-    window_heads = bool(np.any(_window_start(call, n_k, first) < lo))
+    window_heads = bool(np.any(_window_start(call, n_k) < lo))
     parts = np.empty((1 + call.causal + window_heads, batch, n_heads, n_q, dv),
                      call.compute_dtype)
     part_lse = np.empty(parts.shape[:-1], call.compute_dtype)
@@ -293,7 +287,6 @@ def forward_folded_rows(call, seqs, k, v):
         window=(-1, -1), chunk=0, out_bhsd=out, sinks=no_sinks,
         tiles=_balanced_tiles(call, batch * n_kv, group * n_q, _threads.thread_count()))
     forward(folded, folded_seqs, (q, k, v, out, lse))
-    merged = call.out_kernel if call.half_kind == _call.NATIVE else parts[0].copy()
     if call.causal:
         tail_seqs = seqs.copy()
         tail_seqs[:, SEQ_K_START] += lo + shared
@@ -302,7 +295,16 @@ def forward_folded_rows(call, seqs, k, v):
                                    out_bhsd=parts[1], sinks=no_sinks)
         forward(tail, tail_seqs, (call.q, k, v, parts[1], part_lse[1]))
     if window_heads:
-        _window_heads(call, seqs, k, v, first, lo, parts[-1], part_lse[-1])
+        _window_heads(call, seqs, k, v, lo, parts[-1], part_lse[-1])
+    _merge_parts(call, parts, part_lse)
+
+
+def _merge_parts(call, parts, part_lse):
+    """The parts of a call's result, each over keys of its own (`parts` (S, B, Hq, Nq, Dv) and
+    `part_lse` (S, B, Hq, Nq), in the compute dtype), merged exactly (`_combine.merge_into`)
+    into its output and lse, its sinks joined, a half-precision output rounded once."""
+    merged = call.out_kernel if call.half_kind == _call.NATIVE else \
+        np.empty(call.out_kernel.shape, call.compute_dtype)
     if len(parts) > 1:
         _combine.merge_into(parts, part_lse, merged, call.lse)
     else:
@@ -314,7 +316,7 @@ def forward_folded_rows(call, seqs, k, v):
         call.out_kernel[...] = merged.astype(call.out_bhsd.dtype).view(call.out_kernel.dtype)
 
 
-def _window_heads(call, seqs, k, v, first, lo, out, lse):
+def _window_heads(call, seqs, k, v, lo, out, lse):
     """`forward_folded_rows`' part of the keys before `lo` (each sequence's first key every
     row sees) into `out` (B, Hq, Nq, Dv) and `lse` (B, Hq, Nq): query row i sees those from
     its own first one on (`_window_start`), so its group's heads fold into a sequence of
@@ -325,7 +327,7 @@ def _window_heads(call, seqs, k, v, first, lo, out, lse):
     n_k = seqs[:, SEQ_N_K]
     tables = []
     for i in range(n_q - 1):  # (the last row sees none)
-        start = _window_start(call, n_k, first, i)
+        start = _window_start(call, n_k, i)
         table = seqs[start < lo]
         table[:, SEQ_Q_START] = (table[:, SEQ_Q_START] + i) * group
         table[:, SEQ_N_Q] = group
@@ -371,9 +373,14 @@ def folded_tiles(call, n_groups, group, n_threads):
     spill from L2 (bfloat16 MLA, D576, 128-384 heads on one thread: one tile 1.05-1.12x tiles
     of the model's 120 rows; top-2048 keys in float32 1.10x; Zen 4)."""
     tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
-    per_head = -(-n_threads // n_groups)  # tiles of a group's rows
-    block_q = tiling.round_rows(-(-group // per_head))
+    block_q = tiling.round_rows(-(-group // _row_tiles(n_groups, n_threads)))
     return tiling.TileConfig(min(block_q, tiling.MAX_BLOCK_Q), tiles.block_k)
+
+
+def _row_tiles(n_groups, n_threads):
+    """How many tiles `folded_tiles` deals each of `n_groups` groups' rows into: enough for
+    every thread to have one."""
+    return -(-n_threads // n_groups)
 
 
 class Forward:
@@ -462,7 +469,7 @@ def _forward_schedule(call, seqs, n_threads):
     heads = 1
     if tiles is None:
         tiles = tiling.choose_tiles(call.head_dim, call.compute_dtype, head_dim_v=call.head_dim_v)
-        heads = _heads_an_item(call, tiles, longest_q, longest_k, len(seqs), n_threads)
+        heads = _heads_an_item(call, tiles, seqs, n_threads)
         tiles = tiling.split_for_threads(tiles, longest_q, len(seqs) * call.n_heads // heads,
                                          n_threads)
         tiles = tiling.clamp_tiles(tiles, longest_q, longest_k)
@@ -477,7 +484,7 @@ def _forward_schedule(call, seqs, n_threads):
     return tiles, key_align, heads, items, chunk_ptr
 
 
-def _heads_an_item(call, tiles, longest_q, longest_k, n_seqs, n_threads):
+def _heads_an_item(call, tiles, seqs, n_threads):
     """How many heads of a kv head a work item of the FA-2 forward runs, each key block packed
     once for all of them: more than one where a head's rows fill at most half a query tile
     and the keys a kv head's rows see outgrow the packed blocks a thread keeps
@@ -487,16 +494,11 @@ def _heads_an_item(call, tiles, longest_q, longest_k, n_seqs, n_threads):
     state than one query tile (`tiling.choose_tiles`' L2 model) and that leave each thread an
     item. A head's steps do not depend on the heads beside it, so neither do the results."""
     group = call.n_heads // call.n_kv_heads
-    left, right = call.window
-    seen = longest_k if left < 0 else min(longest_k, left + max(right, 0) + longest_q)
-    if call.chunk:
-        seen = min(seen, call.chunk)
-    key_bytes = seen * (call.head_dim + call.head_dim_v) * call.compute_dtype.itemsize
-    rows = tiling.round_rows(longest_q)
-    if group == 1 or 2 * rows > tiles.block_q or key_bytes <= KEPT_BYTES:
+    rows = tiling.round_rows(int(seqs[:, SEQ_N_Q].max()))
+    if group == 1 or 2 * rows > tiles.block_q or _visible_key_bytes(call, seqs) <= KEPT_BYTES:
         return 1
     fits = [h for h in range(2, group + 1) if group % h == 0 and h * rows <= tiles.block_q
-            and n_seqs * call.n_heads // h >= n_threads]
+            and len(seqs) * call.n_heads // h >= n_threads]
     return max(fits, default=1)
 
 
