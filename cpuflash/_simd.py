@@ -660,15 +660,23 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
                     for r in range(len(vecs)) for c in range(width)]
         else:
             flat = [builder.extract_value(args[3], k) for k in range(count)]
-        # each vector with, per lane, which of the input vectors its partial sum belongs to
-        level = [(x, [k] * n) for k, x in enumerate(flat)]
+        # each vector with, per lane, which of the input vectors its partial sum belongs to;
+        # a power of two of them enter in bit-reversed order, which leaves the sums in order in
+        # the last vector (so a row's sums are one block of lanes, stored without a gather)
+        order = range(count)
+        if 1 < count <= n and count & (count - 1) == 0:
+            bits = count.bit_length() - 1
+            order = [int(format(k, "0%db" % bits)[::-1], 2) for k in order]
+        level = [(flat[k], [k] * n) for k in order]
         half = n // 2
         while half >= 1:
             if len(level) % 2:  # an odd one out folds with itself (its lanes then appear twice)
                 level.append(level[-1])
+            # each block of 2 * half lanes adds x's halves into its first half and y's into its
+            # second: one operand is a blend of x and y, the other a swap of halves
             lo = [k for j in range(0, n, 2 * half)
-                  for k in list(range(j, j + half)) + list(range(n + j, n + j + half))]
-            hi = [k + half for k in lo]
+                  for k in list(range(j, j + half)) + list(range(n + j + half, n + j + 2 * half))]
+            hi = [k + half if k < n else k - half for k in lo]
             folded = []
             for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2]):
                 summed = builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
