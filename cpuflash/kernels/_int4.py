@@ -107,30 +107,40 @@ def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
     and their scales, as `runs` and `scale_runs` give the keys', which the first four rows'
     pass prefetches as it goes, a cache line at a time (the kernel reads two arrays in turns,
     and the hardware prefetcher would start each turn cold)."""
+    for r in range(0, rows, 4):
+        count = min(4, rows - r)
+        if count == 4:  # (a constant: the rows' steps without a test a key)
+            _dot_keys(q_rows, r, 4, data, scale, runs, scale_runs, scores, later)
+        else:
+            _dot_keys(q_rows, r, count, data, scale, runs, scale_runs, scores, later)
+
+
+@_jit.jit_borrowing
+def _dot_keys(q_rows, r, count, data, scale, runs, scale_runs, scores, later):
+    """`dot_rows` for rows r .. r + count - 1 (count <= 4)."""
     n, dp, sw = _layout.lanes(q_rows), q_rows.shape[1], scores.shape[1]
     run_cols, starts, n_runs, step = runs
     s_starts, s_step, g_step, size = scale_runs
     values, v_starts, v_step, v_scale, vs_starts, vs_step = later
     v_bytes = values.shape[3]
-    for r in range(0, rows, 4):
-        count = min(4, rows - r)
-        q0, q1, q2, q3 = row_starts(r, count, dp)
-        for i in range(n_runs):
-            c, end, k, s = run_cols[i], run_cols[i + 1], starts[i], s_starts[i]
-            lv, ls = v_starts[i], vs_starts[i]
-            while c + 4 <= end:
-                if r == 0:
-                    for j in range(4):
-                        for e in range(0, v_bytes, CACHE_LINE):
-                            prefetch(values, lv + j * v_step + e)
-                    prefetch(v_scale, ls)
-                    prefetch(v_scale, ls + 3 * vs_step)
-                    lv += 4 * v_step
-                    ls += 4 * vs_step
-                s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
-                s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
-                for x in range(0, dp, 2 * n):
-                    g = s + x // size * g_step
+    q0, q1, q2, q3 = row_starts(r, count, dp)
+    for i in range(n_runs):
+        c, end, k, s = run_cols[i], run_cols[i + 1], starts[i], s_starts[i]
+        lv, ls = v_starts[i], vs_starts[i]
+        while c + 4 <= end:
+            if r == 0:
+                for j in range(4):
+                    for e in range(0, v_bytes, CACHE_LINE):
+                        prefetch(values, lv + j * v_step + e)
+                prefetch(v_scale, ls)
+                prefetch(v_scale, ls + 3 * vs_step)
+                lv += 4 * v_step
+                ls += 4 * vs_step
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
+            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
+            g = s
+            for group in range(0, dp, size):
+                for x in range(group, group + size, 2 * n):
                     y0 = _unit(data, k + x // 2, scale, g)
                     y1 = _unit(data, k + step + x // 2, scale, g + s_step)
                     y2 = _unit(data, k + 2 * step + x // 2, scale, g + 2 * s_step)
@@ -143,23 +153,24 @@ def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
                         s20, s21, s22, s23 = _row_units(q_rows, q2 + x, ys, s20, s21, s22, s23)
                     if count > 3:
                         s30, s31, s32, s33 = _row_units(q_rows, q3 + x, ys, s30, s31, s32, s33)
-                _layout.store_row_sums(scores, r * sw + c, sw, count,
-                                       (s00, s01, s02, s03, s10, s11, s12, s13,
-                                        s20, s21, s22, s23, s30, s31, s32, s33))
-                c += 4
-                k += 4 * step
-                s += 4 * s_step
-            for c in range(c, end):  # the run's last keys, one at a time
-                for j in range(count):
-                    total = vzeros(q_rows)
-                    o = (r + j) * dp
-                    for x in range(0, dp, 2 * n):
-                        qs = (vload(q_rows, o + x), vload(q_rows, o + x + n))
-                        total = _fma_unit(qs, _unit(data, k + x // 2, scale, s + x // size
-                                                    * g_step), total)
-                    scores[r + j, c] = vhsum(total)
-                k += step
-                s += s_step
+                g += g_step
+            _layout.store_row_sums(scores, r * sw + c, sw, count,
+                                   (s00, s01, s02, s03, s10, s11, s12, s13,
+                                    s20, s21, s22, s23, s30, s31, s32, s33))
+            c += 4
+            k += 4 * step
+            s += 4 * s_step
+        for c in range(c, end):  # the run's last keys, one at a time
+            for j in range(count):
+                total = vzeros(q_rows)
+                o = (r + j) * dp
+                for x in range(0, dp, 2 * n):
+                    qs = (vload(q_rows, o + x), vload(q_rows, o + x + n))
+                    total = _fma_unit(qs, _unit(data, k + x // 2, scale, s + x // size
+                                                * g_step), total)
+                scores[r + j, c] = vhsum(total)
+            k += step
+            s += s_step
 
 
 @jit_borrowing
@@ -196,15 +207,20 @@ def pv_rows(scores, data, scale, runs, scale_runs, width, acc, alpha, rows, late
         count = min(4, rows - r)
         x = 0
         while x + 4 * n <= width:
-            _pv_units(scores, r, count, data, scale, runs, scale_runs, x, 2, acc, alpha, keys,
-                      key_runs if r + x == 0 else none)
+            ahead = key_runs if r + x == 0 else none
+            if count == 4:  # (a constant: the rows' steps without a test a key)
+                _pv_units(scores, r, 4, data, scale, runs, scale_runs, x, 2, acc, alpha, keys,
+                          ahead)
+            else:
+                _pv_units(scores, r, count, data, scale, runs, scale_runs, x, 2, acc, alpha,
+                          keys, ahead)
             x += 4 * n
         if x < width:
             _pv_units(scores, r, count, data, scale, runs, scale_runs, x, 1, acc, alpha, keys,
                       key_runs if r + x == 0 else none)
 
 
-@jit_borrowing
+@_jit.jit_borrowing
 def _pv_units(scores, r, count, data, scale, runs, scale_runs, x, units, acc, alpha, keys,
               key_runs):
     """Rows r .. r + count - 1 (count <= 4) x `units` (1 or 2) units from column x, prefetching
