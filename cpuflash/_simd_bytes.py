@@ -18,8 +18,9 @@ from numba.extending import intrinsic, models, register_model
 
 from ._simd import LANES_F32, _VEC, _check_index, _element_ptr, _lane_mask, _target_has_avx512f
 
-__all__ = ["VNNI", "INTEGER_ROUTE", "IVec", "bload", "bload_i32", "bflip", "bnibbles_low",
-           "bnibbles_high", "bdot", "bfloat", "vload_repeat4"]
+__all__ = ["VNNI", "INTEGER_ROUTE", "IVec", "bload", "bload_all", "bload_i32", "bflip",
+           "bnibbles_low", "bnibbles_high", "bdot", "bfloat", "bgroup_sums", "vload_groups4",
+           "vstore_key_sums"]
 
 
 def _target_has_vnni(cpu_name, features):
@@ -105,6 +106,19 @@ def bload(typingctx, arr, i, valid):
 
 
 @intrinsic
+def bload_all(typingctx, arr, i):
+    """The ``4 * LANES_F32`` bytes of `arr` from byte `i` as lanes (`bload` of every lane, one
+    plain load)."""
+    _byte_array(arr, "arr")
+    _check_index(i)
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_element_ptr(context, builder, sig, args, _LANES), align=1)
+
+    return _IVEC(arr, i), codegen
+
+
+@intrinsic
 def bload_i32(typingctx, arr, i):
     """``arr[i : i + LANES_F32]`` of an int32 array as lanes."""
     if not (isinstance(arr, types.Array) and arr.dtype == types.int32):
@@ -182,22 +196,129 @@ def bfloat(typingctx, a):
 
 
 @intrinsic
-def vload_repeat4(typingctx, arr, i, valid):
-    """Of a float32 array, ``arr[i + j // 4]`` in lane j for j < 4 * valid (the scale of each
-    lane's group of four lanes), 0 in the others."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
-        raise errors.TypingError("`arr` must be a float32 array, got %s" % arr)
-    _check_index(i)
-    _check_index(valid, "valid")
-    vec = _VEC[types.float32]
+def bgroup_sums(typingctx, a, b, c, d):
+    """Lane 4g + k: the sum of lanes 4g .. 4g + 3 of the k-th argument, exactly: four keys'
+    sums over each group of four lanes (an int4 group of 32 numbers), group by group. Two
+    levels of unpacks within 128-bit blocks (of 32-bit, then of 64-bit pieces) and adds."""
+    if not (a == b == c == d == _IVEC):
+        raise errors.TypingError("`a` .. `d` must be %s, got %s, %s, %s, %s"
+                                 % (_IVEC, a, b, c, d))
 
     def codegen(context, builder, sig, args):
-        lanes = ir.VectorType(ir.FloatType(), _N)
-        ptr = _element_ptr(context, builder, sig, args, lanes)
-        count = context.cast(builder, args[2], sig.args[2], types.int64)
-        zero = ir.Constant(lanes, [ir.Constant(ir.FloatType(), 0.0)] * _N)
-        scales = _masked_load(builder, ptr, lanes, count, zero)
-        return builder.shuffle_vector(scales, scales, _lane_mask([j // 4 for j in range(_N)]))
+        def fold(x, y, width):  # lanes 0 + 2, 1 + 3 of each block (width 1) or 0 + 1 (2)
+            pieces = [[j, _N + j, j + 1, _N + j + 1] if width == 1 else
+                      [j, j + 1, _N + j, _N + j + 1] for j in range(0, _N, 4)]
+            lo = [k for piece in pieces for k in piece]
+            hi = [k + 2 for k in lo]
+            return builder.add(builder.shuffle_vector(x, y, _lane_mask(lo)),
+                               builder.shuffle_vector(x, y, _lane_mask(hi)))
+        return fold(fold(args[0], args[1], 1), fold(args[2], args[3], 1), 2)
 
-    return vec(arr, i, valid), codegen
+    return _IVEC(a, b, c, d), codegen
 
+
+@intrinsic
+def vload_groups4(typingctx, arr, i0, i1, i2, i3, groups):
+    """Of a float32 array, lane 4g + k: ``arr[i_k + g]`` for g < `groups` (at most
+    ``LANES_F32 // 4``), 0 for the others: four keys' group scales, group by group."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+        raise errors.TypingError("`arr` must be a float32 array, got %s" % arr)
+    for name, index in (("i0", i0), ("i1", i1), ("i2", i2), ("i3", i3), ("groups", groups)):
+        _check_index(index, name)
+    vec = _VEC[types.float32]
+    per = _N // 4
+
+    def codegen(context, builder, sig, args):
+        quarter = ir.VectorType(ir.FloatType(), per)
+        zero = ir.Constant(quarter, [ir.Constant(ir.FloatType(), 0.0)] * per)
+        count = context.cast(builder, args[5], sig.args[5], types.int64)
+        loaded = []
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        for k in range(4):
+            at = context.cast(builder, args[k + 1], sig.args[k + 1], types.intp)
+            ptr = builder.bitcast(builder.gep(data, [at], inbounds=True), quarter.as_pointer())
+            loaded.append(_masked_load_n(builder, ptr, quarter, count, zero))
+        pairs = [builder.shuffle_vector(loaded[k], loaded[k + 1], _lane_mask(range(2 * per)))
+                 for k in (0, 2)]
+        whole = builder.shuffle_vector(pairs[0], pairs[1], _lane_mask(range(4 * per)))
+        return builder.shuffle_vector(whole, whole, _lane_mask(
+            [k * per + g for g in range(per) for k in range(4)]))
+
+    return vec(arr, i0, i1, i2, i3, groups), codegen
+
+
+def _masked_load_n(builder, ptr, lanes_type, valid, zero):
+    """`_masked_load` for a vector of any count of lanes."""
+    count = lanes_type.count
+    i64 = ir.IntType(64)
+    iota = ir.Constant(ir.VectorType(i64, count), [ir.Constant(i64, k) for k in range(count)])
+    limit = builder.insert_element(ir.Constant(iota.type, ir.Undefined), valid,
+                                   ir.Constant(_I32, 0))
+    limit = builder.shuffle_vector(limit, ir.Constant(iota.type, ir.Undefined),
+                                   _lane_mask([0] * count))
+    mask = builder.icmp_unsigned("<", iota, limit)
+    name = "llvm.masked.load.v%d%s.p0" % (count, lanes_type.element.intrinsic_name)
+    fn = builder.module.globals.get(name)
+    if fn is None:
+        fn = ir.Function(builder.module, ir.FunctionType(
+            lanes_type, [ptr.type, _I32, mask.type, lanes_type]), name)
+    return builder.call(fn, [ptr, ir.Constant(_I32, 4), mask, zero])
+
+
+@intrinsic
+def vstore_key_sums(typingctx, arr, i, stride, vecs, rows, keys):
+    """For r < `rows` and k < `keys` (both at most 4): ``arr[i + r * stride + k]`` = the sum of
+    lanes k, k + 4, k + 8, ... of ``vecs[r]`` (four float32 vectors, lane 4g + k as
+    `bgroup_sums` and `vload_groups4` place them), added pairwise as `vhsum` adds a vector's
+    halves: lane k + 8 to lane k, then lane k + 4 (16 lanes). The rows' trees share their
+    shuffles, as in `_simd.vstore_hsums`; each row's sums end as four lanes side by side, stored
+    in one piece when `keys` is 4."""
+    vec = _VEC[types.float32]
+    if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
+        raise errors.TypingError("`arr` must be a float32 array, got %s" % arr)
+    if not (isinstance(vecs, types.UniTuple) and vecs.dtype == vec and len(vecs) == 4):
+        raise errors.TypingError("`vecs` must be four %s, got %s" % (vec, vecs))
+    for name, index in (("i", i), ("stride", stride), ("rows", rows), ("keys", keys)):
+        _check_index(index, name)
+
+    def codegen(context, builder, sig, args):
+        i64, flt = ir.IntType(64), ir.FloatType()
+        level = [(builder.extract_value(args[3], r), [r] * _N) for r in range(4)]
+        half = _N // 2
+        while half >= 4:  # fold as `_simd.vstore_hsums` does, down to blocks of four lanes
+            lo = [k for j in range(0, _N, 2 * half) for k in
+                  list(range(j, j + half)) + list(range(_N + j + half, _N + j + 2 * half))]
+            hi = [k + half if k < _N else k - half for k in lo]
+            level = [(builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
+                                   builder.shuffle_vector(x, y, _lane_mask(hi))),
+                      [(x_of + y_of)[k] for k in lo])
+                     for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2])]
+            half //= 2
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        start = context.cast(builder, args[1], sig.args[1], types.int64)
+        step = context.cast(builder, args[2], sig.args[2], types.int64)
+        n_rows = context.cast(builder, args[4], sig.args[4], types.int64)
+        n_keys = context.cast(builder, args[5], sig.args[5], types.int64)
+        four = ir.VectorType(flt, 4)
+        for r in range(4):
+            v, lane = next((v, owners.index(r)) for v, (_, owners) in enumerate(level)
+                           if r in owners)
+            sums = builder.shuffle_vector(level[v][0], level[v][0],
+                                          _lane_mask(range(lane, lane + 4)))
+            at = builder.add(start, builder.mul(step, ir.Constant(i64, r)))
+            ptr = builder.gep(data, [at], inbounds=True)
+            with builder.if_then(builder.icmp_signed(">", n_rows, ir.Constant(i64, r))):
+                with builder.if_else(builder.icmp_signed("==", n_keys, ir.Constant(i64, 4))) \
+                        as (whole, part):
+                    with whole:
+                        builder.store(sums, builder.bitcast(ptr, four.as_pointer()), align=4)
+                    with part:
+                        for k in range(3):
+                            more = builder.icmp_signed(">", n_keys, ir.Constant(i64, k))
+                            with builder.if_then(more):
+                                builder.store(builder.extract_element(sums, ir.Constant(_I32, k)),
+                                              builder.gep(ptr, [ir.Constant(i64, k)],
+                                                          inbounds=True))
+        return context.get_dummy_value()
+
+    return types.void(arr, i, stride, vecs, rows, keys), codegen

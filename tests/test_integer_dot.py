@@ -76,6 +76,28 @@ def test_rotated_paged_and_modified(rng, fmt):
                   causal=True, **options)
 
 
+@pytest.mark.parametrize("fmt,d", [("int8", 128), ("int4", 128), ("int4", 96)])
+def test_a_keys_bits_do_not_depend_on_its_neighbours(rng, fmt, d):
+    """Keys go four at a time, and the last ones of a run of consecutive rows fewer: in pages
+    of five rows the runs, and so the keys beside each key, differ from one contiguous
+    cache's, and the bits do not."""
+    page = 5
+    k_cache, v_cache = caches(rng, fmt, d, n_max=200)
+    q = rng.standard_normal((2, 8, 1, d)).astype(np.float32)
+    order = rng.permutation(80).reshape(2, 40)
+    paged = [cpuflash.QuantizedKV(to_pages(c.data, page, order),
+                                  to_pages(c.scale[..., None] if c.scale.ndim == 3 else c.scale,
+                                           page, order).reshape(
+                                      (80, 2, page) + c.scale.shape[3:]))
+             for c in (k_cache, v_cache)]
+    seqlens = np.array([200, 131])
+    whole = cpuflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                            integer_dot=True)
+    in_pages = cpuflash.attention_with_kvcache(q, *paged, cache_seqlens=seqlens,
+                                               block_table=order, integer_dot=True)
+    assert_same_bits(in_pages, whole)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_queries(rng, dtype):
     """q in half precision is widened to float32, then quantized; the output has q's dtype."""

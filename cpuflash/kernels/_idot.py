@@ -16,17 +16,19 @@ offset (an int8 number b as b + 128, an int4 nibble n as n + 8), and each query 
 start from minus the offset times the sum of its bytes in that lane (`corr`), which takes the
 offset's products back out. An int4 row's nibbles are split in registers into two byte
 vectors (its even and its odd numbers), so a query row is stored per chunk of ``4 * lanes``
-cache bytes as the bytes of its even numbers, then of its odd ones. The int4 groups' scales
-multiply the lanes (a group of 32 numbers is four lanes) before their sum; an int8 row's one
-scale multiplies the sum, as in the exact route.
+cache bytes as the bytes of its even numbers, then of its odd ones. An int4 group of 32 numbers
+is four lanes: four keys' lanes are summed group by group in integers, exactly, into one
+vector, which the groups' scales multiply as floats (`_dot_keys_int4`), so the float work of
+a (row, key) pair is a quarter of a vector a chunk, not four vectors and their sum; an int8
+row's one scale multiplies the sum, as in the exact route.
 """
 
 import numpy as np
 
 from .. import _jit
 from .._simd import vfma, vhsum, vzeros
-from .._simd_bytes import (bdot, bflip, bfloat, bload, bload_i32, bnibbles_high, bnibbles_low,
-                           vload_repeat4)
+from .._simd_bytes import (bdot, bflip, bfloat, bgroup_sums, bload, bload_all, bload_i32,
+                           bnibbles_high, bnibbles_low, vload_groups4, vstore_key_sums)
 from . import _layout
 from ._convert import contiguous_rows
 from ._layout import row_starts
@@ -34,6 +36,7 @@ from ._layout import row_starts
 jit_borrowing = _jit.jit_borrowing_any_constants
 
 INT4_GROUP = 32  # the int4 group size the route reads (four lanes of a chunk's)
+LANES_A_GROUP = INT4_GROUP // 8  # a lane holds eight numbers (four bytes)
 
 
 @jit_borrowing
@@ -182,78 +185,84 @@ def _dot4x4_int8(qi, corr, r, count, keys, runs, scores):
 
 
 @jit_borrowing
-def _int4_pair(corr_lanes, y, qe, qo):
-    """The lanes of one (row, key) pair over a chunk: the even numbers, then the odd ones."""
-    return bdot(bdot(corr_lanes, bnibbles_low(y), qe), bnibbles_high(y), qo)
-
-
-@jit_borrowing
-def _int4_row(qi, at, n, corr_lanes, ys, fs, t0, t1, t2, t3):
-    """A query row's chunk (its even numbers' bytes at `at` of `qi`, its odd ones' a chunk on)
-    against four keys' chunks `ys`: each pair's lanes as floats, times the keys' lane scales
-    `fs`, added to t0 .. t3."""
-    qe, qo = bload(qi, at, n), bload(qi, at + 4 * n, n)
-    return (vfma(bfloat(_int4_pair(corr_lanes, ys[0], qe, qo)), fs[0], t0),
-            vfma(bfloat(_int4_pair(corr_lanes, ys[1], qe, qo)), fs[1], t1),
-            vfma(bfloat(_int4_pair(corr_lanes, ys[2], qe, qo)), fs[2], t2),
-            vfma(bfloat(_int4_pair(corr_lanes, ys[3], qe, qo)), fs[3], t3))
-
-
-@jit_borrowing
 def _dot4x4_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs):
+    if count == 4:  # (a constant: the rows' steps without a test a chunk)
+        _dot_keys_int4(qi, corr, r, 4, keys, runs, scores, k_scale, scale_runs)
+    else:
+        _dot_keys_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs)
+
+
+@_jit.jit_borrowing
+def _dot_keys_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs):
+    """Rows r .. r + count - 1 (count <= 4) against the key rows four at a time (the last of
+    a run repeated where fewer are left), a chunk at a time: each (row, key) pair's lanes in
+    integers, their groups' sums exact (`bgroup_sums`), times the groups' scales as floats,
+    added over the chunks lane by lane and over a chunk's groups by `vstore_key_sums`. A
+    key's bits do not depend on the keys beside it."""
     n = _layout.lanes(scores)
     chunk, row_bytes, sw = 4 * n, keys.shape[3], scores.shape[1]
+    whole = row_bytes // chunk * chunk  # the bytes of whole chunks
     run_cols, starts, n_runs, step = runs
     scale_starts, scale_step = scale_runs
-    q0, q1, q2, q3 = row_starts(r, count, qi.shape[1])
-    o0, o1, o2, o3 = row_starts(r, count, corr.shape[1])
-    lanes_a_group = INT4_GROUP // 8  # a lane holds eight numbers (four bytes)
+    rows = row_starts(r, count, qi.shape[1]), row_starts(r, count, corr.shape[1])
     for i in range(n_runs):
         c, end, k, g = run_cols[i], run_cols[i + 1], starts[i], scale_starts[i]
-        while c + 4 <= end:
-            k0, k1, k2, k3 = k, k + step, k + 2 * step, k + 3 * step
-            t00 = t01 = t02 = t03 = t10 = t11 = t12 = t13 = vzeros(scores)
-            t20 = t21 = t22 = t23 = t30 = t31 = t32 = t33 = t00
-            for x in range(0, row_bytes, chunk):
-                valid = min(n, (row_bytes - x) // 4)
-                e, h = x // chunk * n, 2 * x // INT4_GROUP  # the chunk's corr lanes, a group
-                y0, y1 = bload(keys, k0 + x, valid), bload(keys, k1 + x, valid)
-                y2, y3 = bload(keys, k2 + x, valid), bload(keys, k3 + x, valid)
-                groups = valid // lanes_a_group
-                f0 = vload_repeat4(k_scale, g + h, groups)
-                f1 = vload_repeat4(k_scale, g + scale_step + h, groups)
-                f2 = vload_repeat4(k_scale, g + 2 * scale_step + h, groups)
-                f3 = vload_repeat4(k_scale, g + 3 * scale_step + h, groups)
-                ys, fs = (y0, y1, y2, y3), (f0, f1, f2, f3)
-                t00, t01, t02, t03 = _int4_row(qi, q0 + 2 * x, n, bload_i32(corr, o0 + e), ys,
-                                               fs, t00, t01, t02, t03)
-                if count > 1:
-                    t10, t11, t12, t13 = _int4_row(qi, q1 + 2 * x, n, bload_i32(corr, o1 + e),
-                                                   ys, fs, t10, t11, t12, t13)
-                if count > 2:
-                    t20, t21, t22, t23 = _int4_row(qi, q2 + 2 * x, n, bload_i32(corr, o2 + e),
-                                                   ys, fs, t20, t21, t22, t23)
-                if count > 3:
-                    t30, t31, t32, t33 = _int4_row(qi, q3 + 2 * x, n, bload_i32(corr, o3 + e),
-                                                   ys, fs, t30, t31, t32, t33)
-            _layout.store_row_sums(scores, r * sw + c, sw, count,
-                                   (t00, t01, t02, t03, t10, t11, t12, t13,
-                                    t20, t21, t22, t23, t30, t31, t32, t33))
-            c += 4
-            k += 4 * step
-            g += 4 * scale_step
-        for c in range(c, end):  # the run's last keys, one at a time
-            for j in range(count):
-                total = vzeros(scores)
-                for x in range(0, row_bytes, chunk):
-                    valid = min(n, (row_bytes - x) // 4)
-                    e, h = x // chunk * n, 2 * x // INT4_GROUP
-                    at = (r + j) * qi.shape[1] + 2 * x
-                    lanes_ = _int4_pair(bload_i32(corr, (r + j) * corr.shape[1] + e),
-                                        bload(keys, k + x, valid), bload(qi, at, n),
-                                        bload(qi, at + chunk, n))
-                    total = vfma(bfloat(lanes_), vload_repeat4(k_scale, g + h,
-                                                               valid // lanes_a_group), total)
-                scores[r + j, c] = vhsum(total)
-            k += step
-            g += scale_step
+        while c < end:
+            more = min(4, end - c) - 1  # the keys after the first, repeating the last
+            at = (k, k + min(1, more) * step, k + min(2, more) * step, k + more * step)
+            groups = (g, g + min(1, more) * scale_step, g + min(2, more) * scale_step,
+                      g + more * scale_step)
+            zero = vzeros(scores)
+            t = (zero, zero, zero, zero)
+            for x in range(0, whole, chunk):
+                ys = (bload_all(keys, at[0] + x), bload_all(keys, at[1] + x),
+                      bload_all(keys, at[2] + x), bload_all(keys, at[3] + x))
+                t = _chunk_int4(qi, corr, rows, count, ys, k_scale, groups, x, n, t)
+            if whole < row_bytes:
+                valid = (row_bytes - whole) // 4
+                ys = (bload(keys, at[0] + whole, valid), bload(keys, at[1] + whole, valid),
+                      bload(keys, at[2] + whole, valid), bload(keys, at[3] + whole, valid))
+                t = _chunk_int4(qi, corr, rows, count, ys, k_scale, groups, whole, valid, t)
+            vstore_key_sums(scores, r * sw + c, sw, t, count, more + 1)
+            c += more + 1
+            k += (more + 1) * step
+            g += (more + 1) * scale_step
+
+
+@jit_borrowing
+def _chunk_int4(qi, corr, rows, count, ys, k_scale, groups, x, valid, t):
+    """The chunk at byte x of four key rows `ys` (`valid` lanes; their scales from `groups`
+    in `k_scale`) against `count` query rows (`rows`: their flat starts in `qi` and `corr`),
+    added to t (a vector a row, lane 4g + k: key k's group g)."""
+    n = _layout.lanes(k_scale)
+    e, h = x // (4 * n) * n, 2 * x // INT4_GROUP  # the chunk's corr lanes, its first group
+    nibbles = ((bnibbles_low(ys[0]), bnibbles_low(ys[1]), bnibbles_low(ys[2]),
+                bnibbles_low(ys[3])),
+               (bnibbles_high(ys[0]), bnibbles_high(ys[1]), bnibbles_high(ys[2]),
+                bnibbles_high(ys[3])))
+    scales = vload_groups4(k_scale, groups[0] + h, groups[1] + h, groups[2] + h,
+                           groups[3] + h, valid // LANES_A_GROUP)
+    (q0, q1, q2, q3), (o0, o1, o2, o3) = rows
+    t0 = _row_chunk(qi, q0 + 2 * x, 4 * n, bload_i32(corr, o0 + e), nibbles, scales, t[0])
+    t1, t2, t3 = t[1], t[2], t[3]
+    if count > 1:
+        t1 = _row_chunk(qi, q1 + 2 * x, 4 * n, bload_i32(corr, o1 + e), nibbles, scales, t1)
+    if count > 2:
+        t2 = _row_chunk(qi, q2 + 2 * x, 4 * n, bload_i32(corr, o2 + e), nibbles, scales, t2)
+    if count > 3:
+        t3 = _row_chunk(qi, q3 + 2 * x, 4 * n, bload_i32(corr, o3 + e), nibbles, scales, t3)
+    return t0, t1, t2, t3
+
+
+@jit_borrowing
+def _row_chunk(qi, at, chunk, corr_lanes, nibbles, scales, total):
+    """A query row's chunk (its even numbers' bytes at `at` of `qi`, its odd ones' a `chunk`
+    on) against four keys' (low, high) nibbles: the groups' exact sums as floats, times their
+    scales, added to `total`."""
+    qe, qo = bload_all(qi, at), bload_all(qi, at + chunk)
+    lows, highs = nibbles
+    return vfma(bfloat(bgroup_sums(bdot(bdot(corr_lanes, lows[0], qe), highs[0], qo),
+                                   bdot(bdot(corr_lanes, lows[1], qe), highs[1], qo),
+                                   bdot(bdot(corr_lanes, lows[2], qe), highs[2], qo),
+                                   bdot(bdot(corr_lanes, lows[3], qe), highs[3], qo))),
+                scales, total)
