@@ -21,7 +21,7 @@ from .._simd import (prefetch, vadd, vbroadcast, vfma, vhsum, vload, vload_i4_sc
                      vzeros)
 from . import _layout
 from ._convert import contiguous_rows
-from ._layout import CACHE_LINE, fma4, row_starts
+from ._layout import CACHE_LINE, WIDE, fma4, row_starts
 
 jit_borrowing = _jit.jit_borrowing_any_constants
 
@@ -109,7 +109,7 @@ def dot_rows(q_rows, data, scale, runs, scale_runs, scores, rows, later):
     and the hardware prefetcher would start each turn cold)."""
     for r in range(0, rows, 4):
         count = min(4, rows - r)
-        if count == 4:  # (a constant: the rows' steps without a test a key)
+        if count == 4 and WIDE:  # (a constant: the rows' steps without a test a key)
             _dot_keys(q_rows, r, 4, data, scale, runs, scale_runs, scores, later)
         else:
             _dot_keys(q_rows, r, count, data, scale, runs, scale_runs, scores, later)
@@ -138,22 +138,23 @@ def _dot_keys(q_rows, r, count, data, scale, runs, scale_runs, scores, later):
                 ls += 4 * vs_step
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = vzeros(q_rows)
             s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = s00
-            g = s
-            for group in range(0, dp, size):
-                for x in range(group, group + size, 2 * n):
-                    y0 = _unit(data, k + x // 2, scale, g)
-                    y1 = _unit(data, k + step + x // 2, scale, g + s_step)
-                    y2 = _unit(data, k + 2 * step + x // 2, scale, g + 2 * s_step)
-                    y3 = _unit(data, k + 3 * step + x // 2, scale, g + 3 * s_step)
-                    ys = (y0, y1, y2, y3)
-                    s00, s01, s02, s03 = _row_units(q_rows, q0 + x, ys, s00, s01, s02, s03)
-                    if count > 1:
-                        s10, s11, s12, s13 = _row_units(q_rows, q1 + x, ys, s10, s11, s12, s13)
-                    if count > 2:
-                        s20, s21, s22, s23 = _row_units(q_rows, q2 + x, ys, s20, s21, s22, s23)
-                    if count > 3:
-                        s30, s31, s32, s33 = _row_units(q_rows, q3 + x, ys, s30, s31, s32, s33)
-                g += g_step
+            g, left = s, size  # the units' group, and its numbers from this unit on
+            for x in range(0, dp, 2 * n):
+                y0 = _unit(data, k + x // 2, scale, g)
+                y1 = _unit(data, k + step + x // 2, scale, g + s_step)
+                y2 = _unit(data, k + 2 * step + x // 2, scale, g + 2 * s_step)
+                y3 = _unit(data, k + 3 * step + x // 2, scale, g + 3 * s_step)
+                ys = (y0, y1, y2, y3)
+                s00, s01, s02, s03 = _row_units(q_rows, q0 + x, ys, s00, s01, s02, s03)
+                if count > 1:
+                    s10, s11, s12, s13 = _row_units(q_rows, q1 + x, ys, s10, s11, s12, s13)
+                if count > 2:
+                    s20, s21, s22, s23 = _row_units(q_rows, q2 + x, ys, s20, s21, s22, s23)
+                if count > 3:
+                    s30, s31, s32, s33 = _row_units(q_rows, q3 + x, ys, s30, s31, s32, s33)
+                left -= 2 * n
+                if left == 0:
+                    g, left = g + g_step, size
             _layout.store_row_sums(scores, r * sw + c, sw, count,
                                    (s00, s01, s02, s03, s10, s11, s12, s13,
                                     s20, s21, s22, s23, s30, s31, s32, s33))
@@ -208,7 +209,7 @@ def pv_rows(scores, data, scale, runs, scale_runs, width, acc, alpha, rows, late
         x = 0
         while x + 4 * n <= width:
             ahead = key_runs if r + x == 0 else none
-            if count == 4:  # (a constant: the rows' steps without a test a key)
+            if count == 4 and WIDE:  # (a constant: the rows' steps without a test a key)
                 _pv_units(scores, r, 4, data, scale, runs, scale_runs, x, 2, acc, alpha, keys,
                           ahead)
             else:
