@@ -72,21 +72,22 @@ def _splat_i32(value):
     return ir.Constant(_LANES, [ir.Constant(_I32, value)] * _N)
 
 
-def _masked_load(builder, ptr, lanes_type, valid, zero):
-    """Lanes 0 .. valid - 1 from `ptr`, the others `zero` (nothing read past them)."""
-    iota = ir.Constant(ir.VectorType(ir.IntType(64), _N), [ir.Constant(ir.IntType(64), k)
-                                                             for k in range(_N)])
+def _masked_load(builder, ptr, lanes_type, valid, zero, align=1):
+    """Lanes 0 .. valid - 1 from `ptr` (aligned to `align` bytes), the others `zero` (nothing
+    read past them)."""
+    count, i64 = lanes_type.count, ir.IntType(64)
+    iota = ir.Constant(ir.VectorType(i64, count), [ir.Constant(i64, k) for k in range(count)])
     limit = builder.insert_element(ir.Constant(iota.type, ir.Undefined), valid,
                                    ir.Constant(_I32, 0))
     limit = builder.shuffle_vector(limit, ir.Constant(iota.type, ir.Undefined),
-                                   ir.Constant(_LANES, [ir.Constant(_I32, 0)] * _N))
+                                   _lane_mask([0] * count))
     mask = builder.icmp_unsigned("<", iota, limit)
-    name = "llvm.masked.load.v%d%s.p0" % (_N, lanes_type.element.intrinsic_name)
+    name = "llvm.masked.load.v%d%s.p0" % (count, lanes_type.element.intrinsic_name)
     fn = builder.module.globals.get(name)
     if fn is None:
         fn = ir.Function(builder.module, ir.FunctionType(
             lanes_type, [ptr.type, _I32, mask.type, lanes_type]), name)
-    return builder.call(fn, [ptr, ir.Constant(_I32, 1), mask, zero])
+    return builder.call(fn, [ptr, ir.Constant(_I32, align), mask, zero])
 
 
 @intrinsic
@@ -237,7 +238,7 @@ def vload_groups4(typingctx, arr, i0, i1, i2, i3, groups):
         for k in range(4):
             at = context.cast(builder, args[k + 1], sig.args[k + 1], types.intp)
             ptr = builder.bitcast(builder.gep(data, [at], inbounds=True), quarter.as_pointer())
-            loaded.append(_masked_load_n(builder, ptr, quarter, count, zero))
+            loaded.append(_masked_load(builder, ptr, quarter, count, zero, align=4))
         pairs = [builder.shuffle_vector(loaded[k], loaded[k + 1], _lane_mask(range(2 * per)))
                  for k in (0, 2)]
         whole = builder.shuffle_vector(pairs[0], pairs[1], _lane_mask(range(4 * per)))
@@ -245,24 +246,6 @@ def vload_groups4(typingctx, arr, i0, i1, i2, i3, groups):
             [k * per + g for g in range(per) for k in range(4)]))
 
     return vec(arr, i0, i1, i2, i3, groups), codegen
-
-
-def _masked_load_n(builder, ptr, lanes_type, valid, zero):
-    """`_masked_load` for a vector of any count of lanes."""
-    count = lanes_type.count
-    i64 = ir.IntType(64)
-    iota = ir.Constant(ir.VectorType(i64, count), [ir.Constant(i64, k) for k in range(count)])
-    limit = builder.insert_element(ir.Constant(iota.type, ir.Undefined), valid,
-                                   ir.Constant(_I32, 0))
-    limit = builder.shuffle_vector(limit, ir.Constant(iota.type, ir.Undefined),
-                                   _lane_mask([0] * count))
-    mask = builder.icmp_unsigned("<", iota, limit)
-    name = "llvm.masked.load.v%d%s.p0" % (count, lanes_type.element.intrinsic_name)
-    fn = builder.module.globals.get(name)
-    if fn is None:
-        fn = ir.Function(builder.module, ir.FunctionType(
-            lanes_type, [ptr.type, _I32, mask.type, lanes_type]), name)
-    return builder.call(fn, [ptr, ir.Constant(_I32, 4), mask, zero])
 
 
 @intrinsic
