@@ -627,6 +627,28 @@ def vhsum(typingctx, vec):
     return vec.dtype(vec), lambda context, builder, sig, args: _reduce(builder, args[0], _add)
 
 
+def _fold_sums(builder, level, n, block):
+    """Codegen: the pairwise sums of the (vector, owners) pairs of `level` (`owners`: which sum
+    each of the `n` lanes' partial sum belongs to), folded a level at a time until each sum is
+    a block of `block` lanes: each level adds the halves of blocks of lanes as `vhsum` adds a
+    vector's halves, two vectors into one, x's halves into a block's first half and y's into
+    its second (one operand a blend of x and y, the other a swap of halves). An odd one out
+    folds with itself (its lanes then appear twice). Returns the folded pairs."""
+    half = n // 2
+    while half >= block:
+        if len(level) % 2:
+            level = level + [level[-1]]
+        lo = [k for j in range(0, n, 2 * half)
+              for k in list(range(j, j + half)) + list(range(n + j + half, n + j + 2 * half))]
+        hi = [k + half if k < n else k - half for k in lo]
+        level = [(builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
+                               builder.shuffle_vector(x, y, _lane_mask(hi))),
+                  [(x_of + y_of)[k] for k in lo])
+                 for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2])]
+        half //= 2
+    return level
+
+
 @intrinsic
 def vstore_hsums(typingctx, arr, i, stride, vecs):
     """Store the lane sums of vectors as rows: ``arr[i + r * stride + c] = vhsum(v)`` for the
@@ -667,22 +689,7 @@ def vstore_hsums(typingctx, arr, i, stride, vecs):
         if 1 < count <= n and count & (count - 1) == 0:
             bits = count.bit_length() - 1
             order = [int(format(k, "0%db" % bits)[::-1], 2) for k in order]
-        level = [(flat[k], [k] * n) for k in order]
-        half = n // 2
-        while half >= 1:
-            if len(level) % 2:  # an odd one out folds with itself (its lanes then appear twice)
-                level.append(level[-1])
-            # each block of 2 * half lanes adds x's halves into its first half and y's into its
-            # second: one operand is a blend of x and y, the other a swap of halves
-            lo = [k for j in range(0, n, 2 * half)
-                  for k in list(range(j, j + half)) + list(range(n + j + half, n + j + 2 * half))]
-            hi = [k + half if k < n else k - half for k in lo]
-            folded = []
-            for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2]):
-                summed = builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
-                                      builder.shuffle_vector(x, y, _lane_mask(hi)))
-                folded.append((summed, [(x_of + y_of)[k] for k in lo]))
-            level, half = folded, half // 2
+        level = _fold_sums(builder, [(flat[k], [k] * n) for k in order], n, 1)
         where = {}  # input vector -> (folded vector, lane) holding its whole sum
         for v, (_, owners) in enumerate(level):
             for lane, owner in enumerate(owners):

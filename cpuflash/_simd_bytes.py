@@ -16,7 +16,8 @@ from llvmlite import ir
 from numba.core import codegen, config, errors, types
 from numba.extending import intrinsic, models, register_model
 
-from ._simd import LANES_F32, _VEC, _check_index, _element_ptr, _lane_mask, _target_has_avx512f
+from ._simd import (LANES_F32, _VEC, _check_index, _element_ptr, _fold_sums, _lane_mask,
+                    _target_has_avx512f)
 
 __all__ = ["VNNI", "INTEGER_ROUTE", "IVec", "bload", "bload_all", "bload_i32", "bflip",
            "bnibbles_low", "bnibbles_high", "bdot", "bfloat", "bgroup_sums", "vload_groups4",
@@ -254,8 +255,8 @@ def vstore_key_sums(typingctx, arr, i, stride, vecs, rows, keys):
     lanes k, k + 4, k + 8, ... of ``vecs[r]`` (four float32 vectors, lane 4g + k as
     `bgroup_sums` and `vload_groups4` place them), added pairwise as `vhsum` adds a vector's
     halves: lane k + 8 to lane k, then lane k + 4 (16 lanes). The rows' trees share their
-    shuffles, as in `_simd.vstore_hsums`; each row's sums end as four lanes side by side, stored
-    in one piece when `keys` is 4."""
+    shuffles (`_simd._fold_sums`, as in `_simd.vstore_hsums`); each row's sums end as four
+    lanes side by side, stored in one piece when `keys` is 4."""
     vec = _VEC[types.float32]
     if not (isinstance(arr, types.Array) and arr.dtype == types.float32):
         raise errors.TypingError("`arr` must be a float32 array, got %s" % arr)
@@ -266,17 +267,8 @@ def vstore_key_sums(typingctx, arr, i, stride, vecs, rows, keys):
 
     def codegen(context, builder, sig, args):
         i64, flt = ir.IntType(64), ir.FloatType()
-        level = [(builder.extract_value(args[3], r), [r] * _N) for r in range(4)]
-        half = _N // 2
-        while half >= 4:  # fold as `_simd.vstore_hsums` does, down to blocks of four lanes
-            lo = [k for j in range(0, _N, 2 * half) for k in
-                  list(range(j, j + half)) + list(range(_N + j + half, _N + j + 2 * half))]
-            hi = [k + half if k < _N else k - half for k in lo]
-            level = [(builder.fadd(builder.shuffle_vector(x, y, _lane_mask(lo)),
-                                   builder.shuffle_vector(x, y, _lane_mask(hi))),
-                      [(x_of + y_of)[k] for k in lo])
-                     for (x, x_of), (y, y_of) in zip(level[0::2], level[1::2])]
-            half //= 2
+        level = _fold_sums(builder, [(builder.extract_value(args[3], r), [r] * _N)
+                                    for r in range(4)], _N, 4)
         data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
         start = context.cast(builder, args[1], sig.args[1], types.int64)
         step = context.cast(builder, args[2], sig.args[2], types.int64)

@@ -121,7 +121,11 @@ def dot_rows_int4(qi, q_scale, corr, keys, k_scale, runs, scale_runs, scores, ro
     """`dot_rows_int8` for int4 key rows, each lane times its group's scale before the lanes'
     sum: `scale_runs` = (starts, row step) of the key rows' scales in `k_scale`."""
     for r in range(0, rows, 4):
-        _dot4x4_int4(qi, corr, r, min(4, rows - r), keys, runs, scores, k_scale, scale_runs)
+        count = min(4, rows - r)
+        if count == 4:  # (a constant: the rows' steps without a test a chunk)
+            _dot_keys_int4(qi, corr, r, 4, keys, runs, scores, k_scale, scale_runs)
+        else:
+            _dot_keys_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs)
     _scale_rows(scores, rows, runs[0][runs[2]], q_scale)
 
 
@@ -182,14 +186,6 @@ def _dot4x4_int8(qi, corr, r, count, keys, runs, scores):
                                  bload(qi, (r + j) * qi.shape[1] + x, n))
                 scores[r + j, c] = vhsum(bfloat(total))
             k += step
-
-
-@jit_borrowing
-def _dot4x4_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs):
-    if count == 4:  # (a constant: the rows' steps without a test a chunk)
-        _dot_keys_int4(qi, corr, r, 4, keys, runs, scores, k_scale, scale_runs)
-    else:
-        _dot_keys_int4(qi, corr, r, count, keys, runs, scores, k_scale, scale_runs)
 
 
 @_jit.jit_borrowing

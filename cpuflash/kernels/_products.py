@@ -330,11 +330,17 @@ def pv_columns(scores, v_tile, acc, alpha, rows, cols, lo_off, hi_off, c_lo, c_h
 
 @jit
 def finite_rows(tile, first, end):
-    """Whether rows first .. end - 1 of `tile` (whole vectors) hold only finite numbers: x - x
-    is 0 for those and NaN for inf and NaN."""
-    total = vzeros(tile)
-    for o in range(first * tile.shape[1], end * tile.shape[1], lanes(tile)):
-        x = vload(tile, o)
+    """Whether rows first .. end - 1 of `tile` (whole vectors) hold only finite numbers."""
+    return finite_span(tile, first * tile.shape[1], end * tile.shape[1])
+
+
+@jit
+def finite_span(arr, start, end):
+    """Whether the elements start .. end - 1 of `arr` (flat, whole vectors) are all finite:
+    x - x is 0 for those and NaN for inf and NaN."""
+    total = vzeros(arr)
+    for o in range(start, end, lanes(arr)):
+        x = vload(arr, o)
         total = vadd(total, vsub(x, x))
     return vhsum(total) == 0
 
@@ -434,11 +440,7 @@ def finite_panels(panels, cols):
     """Whether the key panels of a block of `cols` keys (`pack_key_panels`, whose lanes past
     `cols` are 0) hold only finite numbers."""
     w = panels.shape[2]
-    total = vzeros(panels)
-    for o in range(0, (cols + w - 1) // w * panels.shape[1] * w, lanes(panels)):
-        x = vload(panels, o)
-        total = vadd(total, vsub(x, x))
-    return vhsum(total) == 0
+    return finite_span(panels, 0, (cols + w - 1) // w * panels.shape[1] * w)
 
 
 @jit

@@ -350,67 +350,48 @@ def _scale_columns(scores, rows, cols, scale, unit_scale, block_table, b, h, sta
     # seventh of an int8 decoding call), then a key at a time; with `keep_zeros` the vectors
     # only where the run's scales are finite (then a zero times one is zero)
     n, sw = _layout.lanes(scale), scores.shape[1]
-    side_by_side = scale.strides[2] == scale.itemsize and _same_dtype(scores, scale)
+    side_by_side = scale.strides[2] == scale.itemsize
     index, row, c = start // page_size, start % page_size, 0
     while c < cols:
         page = block_table[b, index]
         run = min(cols - c, page_size - row)
         at = (page * scale.strides[0] + h * scale.strides[1]) // scale.itemsize + row
         whole = run // n * n if side_by_side else 0
-        if keep_zeros and whole > 0 and not _finite_span(scale, at, whole):
+        if keep_zeros and whole > 0 and not _products.finite_span(scale, at, at + whole):
             whole = 0
         factors = scale[page, h, row:row + run]
         for r in range(rows):
-            _scale_vectors(scores, r * sw + c, scale, at, whole, unit_scale)
+            done = _scale_vectors(scores, r * sw + c, scale, at, whole, unit_scale)
             line = scores[r, c:c + run]
             if keep_zeros:
-                for i in range(whole, run):
+                for i in range(done, run):
                     value = line[i]
                     line[i] = value * unit_scale * factors[i] if value != 0 else value
             else:
-                for i in range(whole, run):
+                for i in range(done, run):
                     line[i] = line[i] * unit_scale * factors[i]
         c += run
         index, row = index + 1, 0
 
 
-def _same_dtype(a, b):
-    """Whether two arrays have one dtype (a constant in kernels)."""
-
-
-@overload(_same_dtype, jit_options=STRICT_OPTIONS)
-def _same_dtype_impl(a, b):
-    same = a.dtype == b.dtype
-    return lambda a, b: same
-
-
 def _scale_vectors(scores, o, scale, at, count, unit_scale):
     """scores[o + i] = scores[o + i] * unit_scale * scale[at + i] (flat), i < count (whole
-    vectors), a vector at a time; nothing where their dtypes differ (count is then 0)."""
+    vectors), a vector at a time; returns how many it scaled: `count`, or 0 where their dtypes
+    differ (no quantized cache has float64 scores)."""
 
 
 @overload(_scale_vectors, jit_options=STRICT_OPTIONS)
 def _scale_vectors_impl(scores, o, scale, at, count, unit_scale):
     if scores.dtype != scale.dtype:
-        return lambda scores, o, scale, at, count, unit_scale: None
+        return lambda scores, o, scale, at, count, unit_scale: 0
 
     def impl(scores, o, scale, at, count, unit_scale):
         unit_vec = vsplat(unit_scale, scores)
         for i in range(0, count, _layout.lanes(scores)):
             vstore(scores, o + i, vmul(vmul(vload(scores, o + i), unit_vec),
                                        vload(scale, at + i)))
+        return count
     return impl
-
-
-@jit_borrowing
-def _finite_span(arr, at, count):
-    """Whether the `count` (whole vectors) elements of `arr` from flat `at` are finite (x - x
-    is 0 for those, NaN for inf and NaN)."""
-    total = vzeros(arr)
-    for i in range(0, count, _layout.lanes(arr)):
-        x = vload(arr, at + i)
-        total = vadd(total, vsub(x, x))
-    return vhsum(total) == 0
 
 
 @jit
